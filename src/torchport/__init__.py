@@ -1,0 +1,39 @@
+"""torchport: write PyTorch once, run it on an Ascend NPU, an NVIDIA or AMD GPU, or a CPU.
+
+Example:
+    >>> import torchport
+    >>> dev = torchport.device()            # npu > cuda > xpu > mps > cpu, or TORCHPORT_DEVICE
+    >>> model = model.to(dev, torchport.dtype(dev))
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from . import _settings as settings  # noqa: E402
+from .device import device, devices, dtype, generator, seed, synchronize  # noqa: E402
+from .info import info  # noqa: E402
+from .memory import empty_cache, memory  # noqa: E402
+from .timer import Timer  # noqa: E402
+from .weights import load_safetensors  # noqa: E402
+
+__all__ = [
+    "__version__",
+    "Timer",
+    "device",
+    "devices",
+    "dtype",
+    "empty_cache",
+    "generator",
+    "info",
+    "load_safetensors",
+    "memory",
+    "seed",
+    "settings",
+    "synchronize",
+]
+
+if settings.get().simulate == "npu":
+    from .testing import simulate_npu as _simulate_npu
+
+    _simulate_npu(settings.get().simulate_devices)

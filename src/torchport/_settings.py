@@ -1,0 +1,149 @@
+"""Every ``TORCHPORT_*`` environment variable, parsed and validated in one place.
+
+Settings are read from the environment on each access (cheap: a few dict look-ups), so a variable set by a
+launcher or a test is seen at once. Code overrides them for a block with :func:`override`::
+
+    with torchport.settings.override(device="cpu"):
+        ...
+
+Variables:
+
+``TORCHPORT_DEVICE``
+    Force the device torchport picks: a device type (``npu``, ``cuda``, ``cpu``...) or ``type:index``.
+``TORCHPORT_SIMULATE``
+    ``npu`` activates the simulated Ascend NPU of :mod:`torchport.testing` (tests and demos only).
+``TORCHPORT_SIMULATE_DEVICES``
+    Number of simulated devices (1 to 16, default 1).
+``TORCHPORT_PROBE``
+    ``1`` (default) lets torchport probe reduced-precision dtypes by running small kernels; ``0`` trusts the
+    vendor's claims instead (faster start, no kernel launched).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import os
+import re
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+__all__ = ["Settings", "get", "override", "parse_device_spec", "VARIABLES"]
+
+_DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
+_SIMULATABLE = ("npu",)
+_BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The validated value of every torchport setting."""
+
+    device: str | None = None
+    simulate: str | None = None
+    simulate_devices: int = 1
+    probe: bool = True
+
+
+# field name -> environment variable
+VARIABLES: dict[str, str] = {
+    "device": "TORCHPORT_DEVICE",
+    "simulate": "TORCHPORT_SIMULATE",
+    "simulate_devices": "TORCHPORT_SIMULATE_DEVICES",
+    "probe": "TORCHPORT_PROBE",
+}
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
+_overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("torchport_overrides", default={})
+
+
+def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | None]:
+    """Split ``"npu:1"`` into ``("npu", 1)``; ``"cuda"`` gives ``("cuda", None)``.
+
+    Only the syntax is checked here; whether the type has a backend is the registry's question.
+
+    Example:
+        >>> parse_device_spec("npu:1")
+        ('npu', 1)
+    """
+    match = _DEVICE_SPEC.match(spec.strip().lower()) if isinstance(spec, str) else None
+    if match is None:
+        raise ValueError(
+            f"{source}={spec!r} is not a device; write a device type or type:index, "
+            "for example 'npu', 'cuda:1' or 'cpu'"
+        )
+    index = match.group("index")
+    return match.group("type"), None if index is None else int(index)
+
+
+def _validate(name: str, value: Any, source: str) -> Any:
+    if value is None or value == "":
+        return _DEFAULTS[name]
+    if name == "device":
+        kind, index = parse_device_spec(str(value), source)
+        return kind if index is None else f"{kind}:{index}"
+    if name == "simulate":
+        text = str(value).strip().lower()
+        if text not in _SIMULATABLE:
+            raise ValueError(f"{source}={value!r} cannot be simulated; valid values: {', '.join(_SIMULATABLE)}")
+        return text
+    if name == "simulate_devices":
+        try:
+            count = int(value)
+        except (TypeError, ValueError):
+            count = -1
+        if not 1 <= count <= 16:
+            raise ValueError(f"{source}={value!r} is not a device count; valid values: integers 1 to 16")
+        return count
+    if name == "probe":
+        if isinstance(value, bool):
+            return value
+        text = str(value).strip().lower()
+        if text not in _BOOLEAN:
+            raise ValueError(f"{source}={value!r} is not a boolean; valid values: {', '.join(_BOOLEAN)}")
+        return _BOOLEAN[text]
+    raise AssertionError(name)
+
+
+def get() -> Settings:
+    """Return the current settings: code overrides first, then the environment, then defaults.
+
+    Example:
+        >>> torchport.settings.get().device   # None unless TORCHPORT_DEVICE is set
+    """
+    forced = _overrides.get()
+    values = {}
+    for name, variable in VARIABLES.items():
+        if name in forced:
+            values[name] = _validate(name, forced[name], name)
+        else:
+            values[name] = _validate(name, os.environ.get(variable), variable)
+    return Settings(**values)
+
+
+@contextlib.contextmanager
+def override(**values: Any) -> Iterator[Settings]:
+    """Override settings for the duration of a ``with`` block (thread- and task-local).
+
+    Example:
+        >>> with torchport.settings.override(device="cpu"):
+        ...     torchport.device()
+        device(type='cpu')
+    """
+    unknown = sorted(set(values) - set(VARIABLES))
+    if unknown:
+        raise ValueError(f"unknown torchport setting(s) {', '.join(unknown)}; valid: {', '.join(VARIABLES)}")
+    for name, value in values.items():
+        _validate(name, value, name)
+    token = _overrides.set({**_overrides.get(), **values})
+    try:
+        yield get()
+    finally:
+        _overrides.reset(token)
+
+
+def environment() -> dict[str, str]:
+    """The environment variables that matter to torchport and the devices it drives, as set now."""
+    wanted = re.compile(r"^(TORCHPORT_.*|.*_VISIBLE_DEVICES|TORCH_DEVICE_BACKEND_AUTOLOAD|PYTORCH_.*ALLOC_CONF|ASCEND_.*)$")
+    return {key: value for key, value in sorted(os.environ.items()) if wanted.match(key)}

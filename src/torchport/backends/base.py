@@ -1,0 +1,224 @@
+"""What every device backend answers, with the generic answer built on ``torch.get_device_module``.
+
+A backend subclass overrides only what its device does differently. The generic answers call the device module
+(``torch.cuda``, ``torch.npu``, ``torch.xpu``...), which every vendor implements with the same names; that also
+covers devices registered from Python through PrivateUse1, for which ``torch.accelerator``'s memory and
+synchronize functions refuse to run ("Allocator for npu is not a DeviceAllocator").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import threading
+import time
+import types
+from typing import Any, ClassVar
+
+import torch
+
+from .. import _settings
+
+__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES"]
+
+logger = logging.getLogger("torchport")
+
+PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# Largest max-abs error of softmax(a @ b / 8) on 64x96x80 normal inputs against a float64 host result that still
+# counts as working. Measured on CPU (torch 2.13): fp32 6.4e-7, bf16 3.4e-3, fp16 2.8e-4; the bounds leave a wide margin for
+# other accumulation orders while catching a dtype that silently computes garbage or saturates.
+_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class DtypeProbe:
+    """The result of running a small matmul + softmax in one dtype on one device."""
+
+    dtype: torch.dtype
+    works: bool
+    max_error: float | None
+    ms: float | None
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "works": self.works,
+            "max_error": self.max_error,
+            "ms": self.ms,
+            "error": self.error,
+        }
+
+
+class Backend:
+    """One device type. Instances are made and cached by the registry (``torchport.backends.get_backend``)."""
+
+    name: ClassVar[str]
+    #: torch.distributed backend for this device type.
+    dist_backend: ClassVar[str] = "gloo"
+    #: Environment variable that restricts which devices a process sees.
+    visible_devices_variable: ClassVar[str | None] = None
+    #: Whether ``safetensors.torch.load_file(..., device=...)`` can place tensors on this device directly.
+    safetensors_direct: ClassVar[bool] = False
+
+    def __init__(self) -> None:
+        self._probes: dict[int, dict[torch.dtype, DtypeProbe]] = {}
+        self._probe_lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"<torchport backend {self.name!r}>"
+
+    # -- presence ------------------------------------------------------------------------------------------------
+    def module(self) -> types.ModuleType:
+        """The ``torch.<type>`` device module, importing the vendor extension if needed."""
+        return torch.get_device_module(self.name)
+
+    def is_available(self) -> bool:
+        """Whether at least one device of this type can be used by this process."""
+        try:
+            return bool(self.module().is_available())
+        except (RuntimeError, ImportError, AttributeError):
+            return False
+
+    def device_count(self) -> int:
+        return int(self.module().device_count()) if self.is_available() else 0
+
+    def unavailable_reason(self) -> str:
+        """Why no device of this type can be used, and what to do about it."""
+        variable = self.visible_devices_variable
+        if variable and variable in os.environ:
+            return f"none is visible ({variable}={os.environ[variable]!r})"
+        return f"this torch build or machine has no {self.name} device"
+
+    def current_index(self) -> int:
+        return int(self.module().current_device())
+
+    def set_index(self, index: int) -> None:
+        self.module().set_device(index)
+
+    def device(self, index: int) -> torch.device:
+        return torch.device(self.name, index)
+
+    # -- description ---------------------------------------------------------------------------------------------
+    def device_name(self, index: int) -> str:
+        return str(self.module().get_device_name(index))
+
+    def properties(self, index: int) -> dict[str, Any]:
+        """Every public plain-valued attribute of the vendor's device-properties object."""
+        props = self.module().get_device_properties(index)
+        out: dict[str, Any] = {}
+        for key in dir(props):
+            if key.startswith("_"):
+                continue
+            try:
+                value = getattr(props, key)
+            except Exception:  # some vendor properties raise when the field is not supported
+                continue
+            if isinstance(value, (bool, int, float, str)):
+                out[key] = value
+            elif isinstance(value, tuple) and all(isinstance(v, (int, float, str)) for v in value):
+                out[key] = list(value)
+        return out
+
+    def versions(self) -> dict[str, str | None]:
+        """Vendor software versions (runtime, driver, extension), None where not readable."""
+        return {}
+
+    # -- memory --------------------------------------------------------------------------------------------------
+    def mem_get_info(self, index: int) -> tuple[int, int] | None:
+        """(free, total) bytes of device memory, or None when the device does not say."""
+        free, total = self.module().mem_get_info(index)
+        return int(free), int(total)
+
+    def memory_stats(self, index: int) -> dict[str, int | None]:
+        """Bytes held by tensors (allocated), by the caching allocator (reserved), and their peaks."""
+        m = self.module()
+        return {
+            "allocated": int(m.memory_allocated(index)),
+            "reserved": int(m.memory_reserved(index)),
+            "peak_allocated": int(m.max_memory_allocated(index)),
+            "peak_reserved": int(m.max_memory_reserved(index)),
+        }
+
+    def reset_peak_memory_stats(self, index: int) -> None:
+        self.module().reset_peak_memory_stats(index)
+
+    def empty_cache(self) -> None:
+        self.module().empty_cache()
+
+    # -- execution -----------------------------------------------------------------------------------------------
+    def synchronize(self, index: int) -> None:
+        self.module().synchronize(index)
+
+    def manual_seed_all(self, seed: int) -> None:
+        self.module().manual_seed_all(seed)
+
+    def generator(self, seed: int, index: int) -> torch.Generator:
+        return torch.Generator(device=self.device(index)).manual_seed(seed)
+
+    def event(self, enable_timing: bool = False) -> Any | None:
+        """A device event (``record``, ``synchronize``, ``elapsed_time``), or None for devices without events."""
+        return self.module().Event(enable_timing=enable_timing)
+
+    def stream(self, index: int) -> Any | None:
+        """A new stream on the device, or None for devices without streams."""
+        return self.module().Stream(device=self.device(index))
+
+    def current_stream(self, index: int) -> Any | None:
+        return self.module().current_stream(index)
+
+    # -- dtypes --------------------------------------------------------------------------------------------------
+    def claims_dtype(self, dtype: torch.dtype, index: int) -> bool:
+        """The vendor's own word on whether a dtype is supported, used when probing is switched off."""
+        if dtype == torch.bfloat16:
+            check = getattr(self.module(), "is_bf16_supported", None)
+            return bool(check()) if check is not None else False
+        return True
+
+    def dtype_probes(self, index: int) -> dict[torch.dtype, DtypeProbe]:
+        """Run (once per device, then cached) a small matmul + softmax in each of fp32, bf16 and fp16."""
+        with self._probe_lock:
+            if index not in self._probes:
+                self._probes[index] = {dtype: self._probe(dtype, index) for dtype in PROBED_DTYPES}
+            return self._probes[index]
+
+    def preferred_dtype(self, index: int, probe: bool | None = None) -> torch.dtype:
+        """bf16 if it works on the device, else fp16, else fp32."""
+        for dtype in (torch.bfloat16, torch.float16):
+            if self.dtype_works(dtype, index, probe):
+                return dtype
+        return torch.float32
+
+    def dtype_works(self, dtype: torch.dtype, index: int, probe: bool | None = None) -> bool:
+        """Whether a dtype computes correctly: by probe, or by the vendor's word when probing is off.
+
+        ``probe=None`` follows ``TORCHPORT_PROBE``.
+        """
+        if not (_settings.get().probe if probe is None else probe):
+            return self.claims_dtype(dtype, index)
+        return self.dtype_probes(index)[dtype].works
+
+    def _probe(self, dtype: torch.dtype, index: int) -> DtypeProbe:
+        gen = torch.Generator().manual_seed(1234)
+        a = torch.randn(64, 96, generator=gen)
+        b = torch.randn(96, 80, generator=gen)
+        expected = torch.softmax(a.double() @ b.double() / 8, dim=-1)
+        device = self.device(index)
+        try:
+            x, y = a.to(device, dtype), b.to(device, dtype)
+            torch.softmax(x @ y / 8, dim=-1)  # warm-up: first launches compile or load kernels
+            self.synchronize(index)
+            start = time.perf_counter()
+            out = torch.softmax(x @ y / 8, dim=-1)
+            self.synchronize(index)
+            ms = (time.perf_counter() - start) * 1e3
+            error = (out.to("cpu", torch.float64) - expected).abs().max().item()
+        except Exception as exc:  # a dtype the device lacks fails in many ways; all of them mean "does not work"
+            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            logger.debug("dtype probe %s on %s failed: %s", dtype, device, reason)
+            return DtypeProbe(dtype, False, None, None, reason)
+        works = math.isfinite(error) and error <= _PROBE_TOLERANCE[dtype]
+        note = None if works else f"max error {error:.3g} exceeds {_PROBE_TOLERANCE[dtype]:g}"
+        return DtypeProbe(dtype, works, error, ms, note)

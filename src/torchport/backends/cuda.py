@@ -1,0 +1,60 @@
+"""NVIDIA GPUs through CUDA, and AMD GPUs through ROCm (PyTorch exposes HIP as ``torch.cuda``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import register_backend
+from .base import Backend
+
+__all__ = ["CudaBackend"]
+
+
+def _nvidia_driver() -> str | None:
+    try:
+        with open("/proc/driver/nvidia/version", encoding="utf-8") as f:
+            first = f.readline()
+    except OSError:
+        return None
+    # "NVRM version: NVIDIA UNIX x86_64 Kernel Module  550.54.15  Tue Mar  5 ..."
+    for word in first.split():
+        if word[:1].isdigit() and "." in word:
+            return word
+    return None
+
+
+@register_backend("cuda")
+class CudaBackend(Backend):
+    name = "cuda"
+    dist_backend = "nccl"  # on ROCm, RCCL answers to the same name
+    safetensors_direct = True
+
+    @property
+    def visible_devices_variable(self) -> str:  # type: ignore[override]
+        return "HIP_VISIBLE_DEVICES" if torch.version.hip else "CUDA_VISIBLE_DEVICES"
+
+    def module(self):
+        return torch.cuda
+
+    def is_available(self) -> bool:
+        return torch.cuda.is_available()
+
+    def unavailable_reason(self) -> str:
+        if torch.version.cuda is None and torch.version.hip is None:
+            return f"this torch ({torch.__version__}) is a CPU-only build; install a CUDA or ROCm build of torch"
+        return super().unavailable_reason()
+
+    def properties(self, index: int) -> dict[str, Any]:
+        out = super().properties(index)
+        out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(index)))
+        out["vendor"] = "AMD" if torch.version.hip else "NVIDIA"
+        return out
+
+    def versions(self) -> dict[str, str | None]:
+        cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        if torch.version.hip:
+            return {"rocm_hip": torch.version.hip, "miopen": None if cudnn is None else str(cudnn)}
+        return {"cuda_runtime": torch.version.cuda, "driver": _nvidia_driver(),
+                "cudnn": None if cudnn is None else str(cudnn)}

@@ -1,0 +1,84 @@
+"""Huawei Ascend NPUs through torch_npu (CANN), imported only when an NPU is asked for."""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.util
+import logging
+import os
+import sys
+import types
+
+import torch
+
+from . import register_backend
+from .base import Backend
+
+__all__ = ["NpuBackend", "cann_version"]
+
+logger = logging.getLogger("torchport")
+
+_CANN_HOMES = ("ASCEND_TOOLKIT_HOME", "ASCEND_HOME_PATH")
+_CANN_DEFAULT = "/usr/local/Ascend/ascend-toolkit/latest"
+
+
+def cann_version() -> str | None:
+    """The CANN toolkit version from its install record, without loading any Ascend library."""
+    homes = [os.environ[v] for v in _CANN_HOMES if os.environ.get(v)] + [_CANN_DEFAULT]
+    for home in homes:
+        # <home>/<arch>-linux/ascend_toolkit_install.info holds "version=8.0.RC3"
+        for path in sorted(glob.glob(os.path.join(home, "*", "ascend_toolkit_install.info"))) + [
+            os.path.join(home, "version.cfg")
+        ]:
+            try:
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    for line in f:
+                        key, _, value = line.strip().partition("=")
+                        if key.strip() in ("version", "Version") and value.strip():
+                            return value.strip()
+            except OSError:
+                continue
+    return None
+
+
+@register_backend("npu")
+class NpuBackend(Backend):
+    name = "npu"
+    dist_backend = "hccl"
+    visible_devices_variable = "ASCEND_RT_VISIBLE_DEVICES"
+    safetensors_direct = True
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._import_error: str | None = None
+
+    def module(self) -> types.ModuleType:
+        if not hasattr(torch, "npu"):
+            importlib.import_module("torch_npu")  # registers torch.npu, Tensor.npu() and the "npu" device
+        return torch.npu
+
+    def is_available(self) -> bool:
+        if not hasattr(torch, "npu") and importlib.util.find_spec("torch_npu") is None:
+            return False
+        try:
+            return bool(self.module().is_available())
+        except Exception as exc:  # torch_npu refuses to load beside another accelerator, or CANN is missing
+            if self._import_error is None:
+                self._import_error = f"{type(exc).__name__}: {exc}"
+                logger.warning("torch_npu is installed but could not be used: %s", self._import_error)
+            return False
+
+    def unavailable_reason(self) -> str:
+        if self._import_error is not None:
+            return f"torch_npu failed to load ({self._import_error})"
+        if not hasattr(torch, "npu") and importlib.util.find_spec("torch_npu") is None:
+            return "torch_npu is not installed (pip install torch-npu matching your torch version, with CANN)"
+        return super().unavailable_reason()
+
+    def versions(self) -> dict[str, str | None]:
+        torch_npu = sys.modules.get("torch_npu")
+        return {
+            "torch_npu": getattr(torch_npu, "__version__", None),
+            "cann": cann_version(),
+        }

@@ -1,0 +1,24 @@
+"""Intel GPUs through ``torch.xpu`` (SYCL / Level Zero)."""
+
+from __future__ import annotations
+
+import torch
+
+from . import register_backend
+from .base import Backend
+
+__all__ = ["XpuBackend"]
+
+
+@register_backend("xpu")
+class XpuBackend(Backend):
+    name = "xpu"
+    dist_backend = "xccl"
+    visible_devices_variable = "ZE_AFFINITY_MASK"
+    safetensors_direct = True
+
+    def is_available(self) -> bool:
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+    def versions(self) -> dict[str, str | None]:
+        return {"sycl": getattr(torch.version, "xpu", None)}

@@ -1,0 +1,346 @@
+"""A simulated Ascend NPU: tensors whose ``device.type`` is ``"npu"`` and whose arithmetic runs on the host.
+
+It registers PyTorch's PrivateUse1 backend under the name ``npu`` (as torch_npu does) and installs a ``torch.npu``
+module with torch_npu's public API (see :mod:`torchport.testing.npu_module`). Tensors are wrapper subclasses that
+hold a CPU tensor; one ``__torch_dispatch__`` unwraps the arguments, runs the op on the CPU and wraps the results,
+and one PrivateUse1 fallback does the same for factory functions (``torch.zeros(..., device="npu")``), so no op
+is registered one by one.
+
+What it keeps faithful, because code under test depends on it:
+
+- devices mix like on a real accelerator: an op on an ``npu`` tensor and a host tensor of one or more dimensions
+  raises "Expected all tensors to be on the same device"; copies, ``.to()`` and indexing with host indices work;
+- memory counters count the bytes of live simulated storages (views share), with a caching-allocator model
+  (freed bytes stay reserved until ``empty_cache``), peaks, and an out-of-memory error past the device's size;
+- each device has its own random generator, seeded by ``torch.manual_seed`` and ``torch.npu.manual_seed``;
+- ``torch.autocast("npu")`` casts like CUDA's autocast (matmul-like ops to the low dtype; reductions, norms and
+  losses to float32; mixed-dtype ops to the widest).
+
+Limits, all from PyTorch's Python backend mechanism: backward runs on ``npu:0`` only (the autograd engine sizes its
+device queues from a C++ device guard that reports one device), and ``torch.Generator("npu")`` cannot be made
+(PrivateUse1 generators need a C++ hook), so :func:`torchport.generator` hands out a host generator for it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+__all__ = ["SimulatedTensor", "activate", "is_active", "state"]
+
+_NPU = "npu"
+GiB = 1024**3
+_BLOCK = 512  # the caching allocator's rounding, as in CUDA's and torch_npu's allocators
+
+# Ops that may take host tensors next to device tensors, as on CUDA: copies between devices and indexing with
+# host index tensors.
+_MIXING_ALLOWED = {
+    "_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "index", "index_put_", "_index_put_impl_",
+    "index_put", "set_", "lift_fresh", "lift_fresh_copy", "alias",
+}
+
+
+@dataclasses.dataclass
+class _DeviceMemory:
+    total: int
+    allocated: int = 0
+    peak_allocated: int = 0
+    reserved: int = 0
+    peak_reserved: int = 0
+    cached: int = 0
+    alloc_count: int = 0
+    free_count: int = 0
+
+
+class _State:
+    def __init__(self, device_count: int, total_memory: int) -> None:
+        self.device_count = device_count
+        self.memory = [_DeviceMemory(total_memory) for _ in range(device_count)]
+        self.generators = [torch.Generator() for _ in range(device_count)]
+        self.initial_seeds = [g.initial_seed() for g in self.generators]
+        self.memory_fraction = [1.0] * device_count
+        self.storages: dict[tuple[int, int], list[int]] = {}  # (device, data_ptr) -> [wrapper count, bytes]
+        self.lock = threading.RLock()
+        self.local = threading.local()
+
+    # -- current device (per thread, as on CUDA and torch_npu) --------------------------------------------------
+    @property
+    def current(self) -> int:
+        return getattr(self.local, "index", 0)
+
+    @current.setter
+    def current(self, index: int) -> None:
+        self.local.index = index
+
+    def check_index(self, index: int) -> int:
+        if not 0 <= index < self.device_count:
+            raise RuntimeError(
+                f"Invalid device npu:{index}: the simulated NPU has {self.device_count} device(s), "
+                f"indices 0 to {self.device_count - 1}"
+            )
+        return index
+
+    def resolve(self, device: torch.device | str | int | None) -> int:
+        if device is None:
+            return self.current
+        if isinstance(device, int):
+            return self.check_index(device)
+        device = torch.device(device)
+        if device.type != _NPU:
+            raise ValueError(f"expected an npu device, got {device}")
+        return self.current if device.index is None else self.check_index(device.index)
+
+    # -- memory accounting --------------------------------------------------------------------------------------
+    def track(self, wrapper: SimulatedTensor, index: int) -> None:
+        storage = wrapper._raw.untyped_storage()
+        nbytes = storage.nbytes()
+        if nbytes == 0:
+            return
+        key = (index, storage.data_ptr())
+        with self.lock:
+            entry = self.storages.get(key)
+            if entry is None:
+                self._allocate(index, nbytes)
+                entry = self.storages[key] = [0, nbytes]
+            entry[0] += 1
+        weakref.finalize(wrapper, self._release, key)
+
+    def _allocate(self, index: int, nbytes: int) -> None:
+        mem = self.memory[index]
+        rounded = -(-nbytes // _BLOCK) * _BLOCK
+        from_cache = min(mem.cached, rounded)
+        grow = rounded - from_cache
+        limit = int(mem.total * self.memory_fraction[index])
+        if mem.reserved + grow > limit:
+            raise torch.OutOfMemoryError(
+                f"NPU out of memory (simulated). Tried to allocate {nbytes / 2**20:.2f} MiB on npu:{index} "
+                f"({mem.total / GiB:.2f} GiB total; {mem.allocated / GiB:.2f} GiB already allocated; "
+                f"{mem.reserved / GiB:.2f} GiB reserved in total; limit {limit / GiB:.2f} GiB)"
+            )
+        mem.cached -= from_cache
+        mem.reserved += grow
+        mem.allocated += nbytes
+        mem.alloc_count += 1
+        mem.peak_allocated = max(mem.peak_allocated, mem.allocated)
+        mem.peak_reserved = max(mem.peak_reserved, mem.reserved)
+
+    def _release(self, key: tuple[int, int]) -> None:
+        with self.lock:
+            entry = self.storages.get(key)
+            if entry is None:
+                return
+            entry[0] -= 1
+            if entry[0] > 0:
+                return
+            del self.storages[key]
+            mem = self.memory[key[0]]
+            mem.allocated -= entry[1]
+            mem.cached += -(-entry[1] // _BLOCK) * _BLOCK
+            mem.free_count += 1
+
+
+_state: _State | None = None
+_activate_lock = threading.Lock()
+
+
+def state() -> _State:
+    if _state is None:
+        raise RuntimeError("the simulated NPU is not active; call torchport.testing.simulate_npu() first")
+    return _state
+
+
+def is_active() -> bool:
+    """Whether this process runs the simulated NPU."""
+    return _state is not None
+
+
+class SimulatedTensor(torch.Tensor):
+    """A tensor on the simulated ``npu`` device; its data is the CPU tensor ``_raw``."""
+
+    _raw: torch.Tensor
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, raw: torch.Tensor, index: int) -> SimulatedTensor:
+        wrapper = torch.Tensor._make_wrapper_subclass(
+            cls, raw.size(), strides=raw.stride(), storage_offset=raw.storage_offset(), dtype=raw.dtype,
+            layout=raw.layout, device=torch.device(_NPU, index), requires_grad=raw.requires_grad,
+        )
+        wrapper._raw = raw
+        return wrapper
+
+    def __init__(self, raw: torch.Tensor, index: int) -> None:
+        state().track(self, index)
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:
+        text = repr(self._raw.detach())
+        extra = f", device='{self.device}'"
+        if self.grad_fn is not None:
+            extra += f", grad_fn=<{type(self.grad_fn).__name__}>"
+        elif self.requires_grad:
+            extra += ", requires_grad=True"
+        return text[:-1] + extra + ")"
+
+    def tolist(self) -> Any:
+        return self._raw.tolist()
+
+    def numpy(self, *, force: bool = False) -> Any:
+        if not force:
+            raise TypeError(
+                f"can't convert {self.device} device type tensor to numpy. "
+                "Use Tensor.cpu() to copy the tensor to host memory first."
+            )
+        return self._raw.detach().numpy()
+
+    def __reduce_ex__(self, protocol: int) -> Any:
+        # Pickle as host data plus the device index, so torch.save / multiprocessing round-trip in-process.
+        return (_rebuild, (self._raw.detach().clone(), self.device.index, self.requires_grad))
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        return _run_on_host(func, args, kwargs or {})
+
+
+def _rebuild(raw: torch.Tensor, index: int, requires_grad: bool) -> torch.Tensor:
+    tensor = SimulatedTensor(raw, index)
+    return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _run_on_host(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
+    st = state()
+    name = func.__name__.split(".")[0]
+    sim_devices: list[torch.device] = []
+    host_device: torch.device | None = None
+    originals: dict[int, torch.Tensor] = {}
+
+    def unwrap(x: Any) -> Any:
+        nonlocal host_device
+        if isinstance(x, SimulatedTensor):
+            sim_devices.append(x.device)
+            originals[id(x._raw)] = x
+            return x._raw
+        if isinstance(x, torch.Tensor):
+            originals[id(x)] = x
+            if x.dim() > 0:
+                host_device = x.device
+        return x
+
+    host_args, host_kwargs = tree_map(unwrap, (args, kwargs))
+    if name not in _MIXING_ALLOWED and sim_devices:
+        others = sorted({str(d) for d in sim_devices} | ({str(host_device)} if host_device is not None else set()))
+        if len(others) > 1:
+            raise RuntimeError(
+                f"Expected all tensors to be on the same device, but found at least two devices, "
+                f"{others[0]} and {others[1]}! (in {func})"
+            )
+
+    target: int | None = sim_devices[0].index if sim_devices else st.current
+    requested = kwargs.get("device")
+    if requested is not None:
+        requested = torch.device(requested)
+        if requested.type == _NPU:
+            target = st.resolve(requested)
+            host_kwargs["device"] = torch.device("cpu")
+        else:
+            target = None
+    if host_kwargs.get("pin_memory"):
+        host_kwargs["pin_memory"] = False
+    if "generator" in host_kwargs or _takes_generator(func):
+        if host_kwargs.get("generator") is None and target is not None:
+            host_kwargs["generator"] = st.generators[target]
+
+    out = func(*host_args, **host_kwargs)
+
+    def wrap(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            if id(x) in originals:
+                return originals[id(x)]
+            if target is not None and not isinstance(x, SimulatedTensor) and x.device.type == "cpu":
+                return SimulatedTensor(x, target)
+        return x
+
+    return tree_map(wrap, out)
+
+
+_generator_ops: dict[Any, bool] = {}
+
+
+def _takes_generator(func) -> bool:  # noqa: ANN001
+    known = _generator_ops.get(func)
+    if known is None:
+        known = _generator_ops[func] = any(arg.name == "generator" for arg in func._schema.arguments)
+    return known
+
+
+def _factory_fallback(op, *args, **kwargs):  # noqa: ANN001
+    """PrivateUse1 kernel for ops whose inputs hold no simulated tensor (factories: empty, zeros, arange...)."""
+    return _run_on_host(op, args, kwargs)
+
+
+_libraries: list[torch.library.Library] = []
+
+
+def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
+    """Register the simulated NPU in this process (idempotent for the same device count).
+
+    Raises:
+        RuntimeError: a real torch_npu is imported, or PrivateUse1 is already taken by another backend.
+    """
+    global _state
+    with _activate_lock:
+        if _state is not None:
+            if _state.device_count != device_count:
+                raise RuntimeError(
+                    f"the simulated NPU is already active with {_state.device_count} device(s); "
+                    f"asked for {device_count}. The device count is fixed for the life of the process."
+                )
+            return
+        if "torch_npu" in sys.modules:
+            raise RuntimeError(
+                "a real torch_npu is imported in this process, so the simulated NPU cannot start: PyTorch lets "
+                "one backend take the 'npu' (PrivateUse1) name per process. Unset TORCHPORT_SIMULATE to use the "
+                "real NPU."
+            )
+        taken = torch._C._get_privateuse1_backend_name()
+        if taken != "privateuseone":
+            raise RuntimeError(
+                f"PrivateUse1 is already registered as {taken!r} in this process; the simulated NPU needs it"
+            )
+        if not 1 <= device_count <= 16:
+            raise ValueError(f"device_count={device_count} is not allowed; use 1 to 16")
+
+        from torch.utils.backend_registration import _setup_privateuseone_for_python_backend
+
+        from . import npu_module
+
+        _state = _State(device_count, total_memory)
+        _setup_privateuseone_for_python_backend(_NPU, backend_module=npu_module.build(_state))
+        sys.modules["torch.npu"] = torch.npu
+        sys.modules["torch.npu.amp"] = torch.npu.amp
+
+        torch.serialization.add_safe_globals([_rebuild])  # torch.load(weights_only=True) of simulated tensors
+        fallback = torch.library.Library("_", "IMPL")
+        fallback.fallback(_factory_fallback, "PrivateUse1")
+        _libraries.append(fallback)
+        _libraries.extend(npu_module.register_autocast())
+
+        from ..backends import register_backend
+        from ..backends.npu import NpuBackend
+
+        @register_backend(_NPU, replace=True)
+        class SimulatedNpuBackend(NpuBackend):
+            """The npu backend, except for what a Python-registered device cannot do."""
+
+            safetensors_direct = False
+
+            def versions(self) -> dict[str, str | None]:
+                return {"torch_npu": None, "cann": None, "simulated": "torchport.testing"}
+
+            def generator(self, seed: int, index: int) -> torch.Generator:
+                return torch.Generator().manual_seed(seed)
