@@ -283,6 +283,21 @@ def _factory_fallback(op, *args, **kwargs):  # noqa: ANN001
     return _run_on_host(op, args, kwargs)
 
 
+def _host(x: torch.Tensor) -> torch.Tensor:
+    return x._raw if isinstance(x, SimulatedTensor) else x
+
+
+def _copy_from(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> torch.Tensor:
+    """Copy between host and device, reached from C++ paths that skip Python dispatch (``torch.tensor(...)``)."""
+    _host(dst).copy_(_host(src))
+    return dst
+
+
+def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
+    _host(dst).resize_(src.shape).copy_(_host(src))
+    return dst
+
+
 _libraries: list[torch.library.Library] = []
 
 
@@ -327,7 +342,10 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
         torch.serialization.add_safe_globals([_rebuild])  # torch.load(weights_only=True) of simulated tensors
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(_factory_fallback, "PrivateUse1")
-        _libraries.append(fallback)
+        copies = torch.library.Library("aten", "IMPL")
+        copies.impl("_copy_from", _copy_from, "PrivateUse1")
+        copies.impl("_copy_from_and_resize", _copy_from_and_resize, "PrivateUse1")
+        _libraries.extend([fallback, copies])
         _libraries.extend(npu_module.register_autocast())
 
         from ..backends import register_backend
