@@ -24,12 +24,13 @@ def main() -> None:
 
     # A small classifier trained for a few steps, with mixed precision where the device has it.
     model = torch.nn.Sequential(
-        torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 10)
+        torch.nn.Linear(64, 128), torch.nn.GELU(), torch.nn.Linear(128, 128), torch.nn.GELU(), torch.nn.Linear(128, 10)
     ).to(device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     g = torchport.generator(1, device)
-    x = torch.randn(512, 64, device=device, generator=g)
-    y = (x[:, :10].argmax(dim=1)).to(device)
+    x = torch.randn(4096, 64, device=device, generator=g)
+    teacher = torch.randn(64, 10, device=device, generator=g)
+    y = (torch.tanh(x @ teacher) + 0.5 * torch.randn(4096, 10, device=device, generator=g)).argmax(dim=1)
     low_precision = dtype != torch.float32
     with torchport.Timer(device) as timer:
         for step in range(60):
