@@ -1,4 +1,11 @@
-"""Tests are written once and run per device: cpu, the simulated npu (or a real one), and cuda when present."""
+"""Tests are written once and run per device: cpu, the NPU (simulated unless real), and cuda/xpu/mps when present.
+
+A pytest process tests the devices chosen by ``--devices`` (default ``auto``). The simulated NPU cannot share a
+process with a real accelerator: once it is registered, a CUDA backward fails an autograd-engine assertion
+(seen on an H100, torch 2.11), and it must be registered before the process's first backward, because the engine
+sizes its per-device queues then. So ``auto`` means every real device plus the CPU, and the simulated NPU only on a
+machine with no other accelerator; ``scripts/test.sh`` runs a second pass, ``--devices npu``, on such machines.
+"""
 
 from __future__ import annotations
 
@@ -9,25 +16,55 @@ from torchport.backends import get_backend
 from torchport.testing import simulate_npu
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+_ACCELERATORS = ("cuda", "xpu", "mps")
+_selected: list[str] = []
 
 
-def _device_types() -> list[str]:
-    types = ["cpu", "npu"]  # npu: the real one when present, else the simulated one
-    types += [name for name in ("cuda", "xpu", "mps") if get_backend(name).is_available()]
-    return types
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--devices", default="auto",
+        help="comma-separated device types to test (cpu, npu, cuda, xpu, mps) or 'auto': every real device, and "
+             "the simulated npu when no other accelerator is present",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    real = [name for name in _ACCELERATORS if get_backend(name).is_available()]
+    npu_real = get_backend("npu").is_available()
+    choice = config.getoption("--devices")
+    if choice == "auto":
+        wanted = ["cpu"] + (["npu"] if npu_real or not real else []) + real
+    else:
+        wanted = [name.strip() for name in choice.split(",") if name.strip()]
+        unknown = [name for name in wanted if name not in ("cpu", "npu", *_ACCELERATORS)]
+        if unknown:
+            raise pytest.UsageError(f"--devices: unknown device type(s) {unknown}; valid: cpu, npu, cuda, xpu, mps")
+        if "npu" in wanted and not npu_real and any(name in wanted for name in real):
+            raise pytest.UsageError(
+                "--devices: the simulated npu cannot share a process with a real accelerator; run two passes"
+            )
+        absent = [name for name in wanted if name in _ACCELERATORS and name not in real]
+        if absent:
+            raise pytest.UsageError(f"--devices: {absent} not available on this machine")
+    if "npu" in wanted and not npu_real:
+        simulate_npu()  # before any test runs a backward
+    _selected[:] = wanted
 
 
 def _use(kind: str) -> torch.device:
-    backend = get_backend(kind)
-    if not backend.is_available():
-        simulate_npu()  # only "npu" can be missing here
-        backend = get_backend(kind)
-    return backend.device(0)
+    if kind not in _selected:
+        pytest.skip(f"{kind} is not tested in this pass (--devices {','.join(_selected)})")
+    return get_backend(kind).device(0)
 
 
-@pytest.fixture(params=_device_types())
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "device" in metafunc.fixturenames:
+        metafunc.parametrize("device", _selected, indirect=True)
+
+
+@pytest.fixture
 def device(request: pytest.FixtureRequest) -> torch.device:
-    """Each device type this machine can test, with index 0."""
+    """Each device type tested in this pass, with index 0."""
     return _use(request.param)
 
 
@@ -41,7 +78,6 @@ def npu() -> torch.device:
 def dtype(request: pytest.FixtureRequest, device: torch.device) -> torch.dtype:
     """fp32, bf16, fp16 on the device under test; skipped where the device lacks the dtype (by probe)."""
     chosen = DTYPES[request.param]
-    backend = get_backend(device.type)
-    if not backend.dtype_works(chosen, device.index or 0):
+    if not get_backend(device.type).dtype_works(chosen, device.index or 0):
         pytest.skip(f"{chosen} does not work on {device} (dtype probe)")
     return chosen

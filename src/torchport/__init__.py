@@ -33,7 +33,15 @@ __all__ = [
     "synchronize",
 ]
 
-if settings.get().simulate == "npu":
-    from .testing import simulate_npu as _simulate_npu
+def _start_simulation() -> None:
+    try:
+        wanted, count = settings.value("simulate"), settings.value("simulate_devices")
+    except ValueError:
+        return  # the same error is raised, with its message, by the first call that reads the settings
+    if wanted == "npu":
+        from .testing import simulate_npu
 
-    _simulate_npu(settings.get().simulate_devices)
+        simulate_npu(count)
+
+
+_start_simulation()

@@ -29,7 +29,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Settings", "get", "override", "parse_device_spec", "VARIABLES"]
+__all__ = ["Settings", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -106,20 +106,27 @@ def _validate(name: str, value: Any, source: str) -> Any:
     raise AssertionError(name)
 
 
+def value(name: str) -> Any:
+    """The current value of one setting, validating only that one.
+
+    Example:
+        >>> torchport.settings.value("simulate")   # None unless TORCHPORT_SIMULATE is set
+    """
+    if name not in VARIABLES:
+        raise ValueError(f"unknown torchport setting {name!r}; valid: {', '.join(VARIABLES)}")
+    forced = _overrides.get()
+    if name in forced:
+        return _validate(name, forced[name], name)
+    return _validate(name, os.environ.get(VARIABLES[name]), VARIABLES[name])
+
+
 def get() -> Settings:
     """Return the current settings: code overrides first, then the environment, then defaults.
 
     Example:
         >>> torchport.settings.get().device   # None unless TORCHPORT_DEVICE is set
     """
-    forced = _overrides.get()
-    values = {}
-    for name, variable in VARIABLES.items():
-        if name in forced:
-            values[name] = _validate(name, forced[name], name)
-        else:
-            values[name] = _validate(name, os.environ.get(variable), variable)
-    return Settings(**values)
+    return Settings(**{name: value(name) for name in VARIABLES})
 
 
 @contextlib.contextmanager

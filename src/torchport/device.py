@@ -102,7 +102,8 @@ def resolve(spec: DeviceLike | int = None, source: str = "device") -> tuple[Back
     ``None`` means :func:`device`'s choice.
 
     Example:
-        >>> backend, index = torchport.device_api.resolve("cpu")
+        >>> from torchport.device import resolve
+        >>> backend, index = resolve("cpu")
     """
     if spec is None:
         chosen = device()

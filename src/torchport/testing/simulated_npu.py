@@ -30,7 +30,7 @@ import weakref
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_map
 
 __all__ = ["SimulatedTensor", "activate", "is_active", "state"]
 

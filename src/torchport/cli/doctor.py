@@ -1,0 +1,88 @@
+"""``torchport doctor``: run :func:`torchport.doctor.run_checks` and show the results as a table or as JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from .. import info
+from ..doctor import Check, run_checks
+
+__all__ = ["HELP", "add_arguments", "exit_code", "handle", "render_json", "render_table"]
+
+HELP = "check torch, every device (dtypes, numerics against the CPU, memory) and optional packages"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout, nothing else")
+    parser.add_argument("--device", metavar="D", help="check only this device, e.g. 'npu:1' or 'cpu'")
+
+
+def exit_code(checks: Sequence[Check]) -> int:
+    """0 when every check passed, 1 when any failed.
+
+    Example:
+        >>> exit_code(run_checks("cpu"))
+        0
+    """
+    return 0 if all(check.ok for check in checks) else 1
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Run the checks, print them, and return :func:`exit_code`."""
+    try:
+        checks = run_checks(args.device)
+    except (ValueError, RuntimeError) as exc:
+        if args.device is None:
+            raise  # with no --device, run_checks raises only on a bug, which should show its traceback
+        raise argparse.ArgumentError(None, str(exc)) from exc
+    if args.json:
+        print(render_json(checks))
+    else:
+        render_table(checks, Console())
+    return exit_code(checks)
+
+
+def render_json(checks: Sequence[Check]) -> str:
+    """The results and :func:`torchport.info` (without probes) as one JSON document.
+
+    Example:
+        >>> json.loads(render_json(run_checks("cpu")))["ok"]
+        True
+    """
+    try:
+        machine: dict[str, Any] = info(probe=False)
+    except Exception as exc:  # e.g. TORCHPORT_DEVICE names an absent device; the settings check already says so
+        machine = {"error": f"{type(exc).__name__}: {exc}"}
+    document = {"ok": exit_code(checks) == 0, "checks": [check.to_dict() for check in checks], "info": machine}
+    return json.dumps(document, indent=2, default=str)
+
+
+def render_table(checks: Sequence[Check], console: Console) -> None:
+    """Print one row per check (check, device, PASS/FAIL, detail) and a summary line.
+
+    Example:
+        >>> render_table(run_checks("cpu"), Console())
+    """
+    table = Table(title="torchport doctor")
+    table.add_column("check", no_wrap=True)
+    table.add_column("device", no_wrap=True)
+    table.add_column("status", no_wrap=True)
+    table.add_column("detail", overflow="fold")
+    for check in checks:
+        status = Text("PASS", style="green") if check.ok else Text("FAIL", style="bold red")
+        # Text(), not a markup string: a detail such as "[1, 2]" must print as written
+        table.add_row(Text(check.name), Text(check.device or "-"), status, Text(check.detail))
+    console.print(table)
+    failed = [check for check in checks if not check.ok]
+    if failed:
+        names = ", ".join(f"{check.name} ({check.device})" if check.device else check.name for check in failed)
+        console.print(Text(f"{len(failed)} of {len(checks)} checks failed: {names}", style="bold red"))
+    else:
+        console.print(Text(f"all {len(checks)} checks passed", style="green"))

@@ -1,0 +1,65 @@
+"""The ``torchport`` command: parses arguments and hands them to one handler per subcommand.
+
+A subcommand is one entry in :data:`COMMANDS`: a one-line help, a function that adds its arguments to its parser,
+and a handler that takes the parsed arguments and returns the exit code (0 success, 1 a check or run failed,
+2 a usage error). A handler reports a bad argument by raising :class:`argparse.ArgumentError`, which becomes one
+line on stderr, ``torchport <command>: error: <message>``, and exit code 2.
+
+Example:
+    $ torchport doctor --device npu:0 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from typing import NamedTuple
+
+from .. import __version__
+from . import doctor
+
+__all__ = ["COMMANDS", "Command", "build_parser", "main"]
+
+
+class Command(NamedTuple):
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    handler: Callable[[argparse.Namespace], int]
+
+
+COMMANDS: dict[str, Command] = {
+    "doctor": Command(doctor.HELP, doctor.add_arguments, doctor.handle),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of the ``torchport`` command with one subparser per entry of :data:`COMMANDS`.
+
+    Example:
+        >>> build_parser().parse_args(["doctor", "--json"]).json
+        True
+    """
+    parser = argparse.ArgumentParser(prog="torchport", description="Write PyTorch once, run it on any device.")
+    parser.add_argument("--version", action="version", version=f"torchport {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name, command in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=command.help, description=command.help)
+        command.add_arguments(sub)
+        sub.set_defaults(handler=command.handler, command_prog=sub.prog)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the ``torchport`` command with ``argv`` (default: ``sys.argv[1:]``) and return its exit code.
+
+    Example:
+        >>> main(["doctor", "--device", "cpu"])
+        0
+    """
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except argparse.ArgumentError as exc:
+        print(f"{args.command_prog}: error: {exc.message}", file=sys.stderr)
+        return 2
