@@ -1,0 +1,103 @@
+"""What ``torchport migrate`` leaves as written, and the hint it gives for each.
+
+Each entry of :data:`UNCONVERTIBLE` is a dotted-name prefix (matched against imports and against the fully
+qualified names of attribute chains), what it is, and what to do by hand. Attributes of the CUDA module that no
+rule handles are listed too, so nothing CUDA-specific stays in the code silently.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import libcst as cst
+
+if TYPE_CHECKING:
+    from .transform import Context
+
+__all__ = ["Hazard", "UNCONVERTIBLE", "HANDLED", "check_import", "check_name"]
+
+from .registry import SOURCE as _CUDA
+
+SDPA_HINT = "use torch.nn.functional.scaled_dot_product_attention, which picks each device's fused attention"
+
+
+class Hazard(NamedTuple):
+    prefix: str
+    what: str
+    hint: str
+
+
+UNCONVERTIBLE: tuple[Hazard, ...] = (
+    Hazard("flash_attn", "flash_attn (CUDA-only attention kernels)", SDPA_HINT),
+    Hazard("cupy", "cupy (CUDA arrays)", "rewrite with torch tensor operations, which run on every device"),
+    Hazard("triton", "Triton kernel", "Triton runs on CUDA, ROCm and XPU only: keep a pure-PyTorch fallback for "
+                                      "NPU and CPU and choose it when torch.accelerator's device is not one of those"),
+    Hazard("torch.utils.cpp_extension", "custom C++/CUDA extension",
+           "build the extension per device or provide a pure-PyTorch fallback"),
+    Hazard(f"{_CUDA}.nvtx", "NVTX range", "use torch.profiler.record_function(name), which works on every device"),
+    Hazard(f"{_CUDA}.graph", "CUDA graph capture",
+           "use torch.compile(mode='reduce-overhead'), or guard the capture with a device check"),
+    Hazard(f"{_CUDA}.CUDAGraph", "CUDA graph", "use torch.compile(mode='reduce-overhead'), or guard with a device check"),
+    Hazard(f"{_CUDA}.make_graphed_callables", "CUDA graph capture",
+           "use torch.compile(mode='reduce-overhead'), or guard with a device check"),
+)
+
+#: attributes of the CUDA module that a rule rewrites, and whether the rule needs them called
+HANDLED: dict[str, bool] = {
+    "is_available": False, "device_count": False, "current_device": False, "set_device": False,
+    "synchronize": False, "current_stream": False, "stream": False, "get_device_name": False,
+    "memory_allocated": True, "max_memory_allocated": True, "memory_reserved": True, "max_memory_reserved": True,
+    "reset_peak_memory_stats": True, "empty_cache": True, "manual_seed": True, "manual_seed_all": True,
+    "Event": True, "Stream": True, "amp.autocast": True, "amp.GradScaler": True,
+}
+
+
+def _hazard(dotted: str) -> Hazard | None:
+    for hazard in UNCONVERTIBLE:
+        if dotted == hazard.prefix or dotted.startswith(hazard.prefix + "."):
+            return hazard
+    return None
+
+
+def check_import(ctx: Context, node: cst.Import | cst.ImportFrom) -> None:
+    """Report an import of an unconvertible package, or a from-import out of the CUDA module."""
+    if isinstance(node, cst.Import):
+        modules = [cst.Module([]).code_for_node(alias.name) for alias in node.names]
+    else:
+        if node.relative or node.module is None:
+            return
+        base = cst.Module([]).code_for_node(node.module)
+        names = [] if isinstance(node.names, cst.ImportStar) else [a.name.value for a in node.names]
+        modules = [f"{base}.{name}" for name in names] or [base]
+        if base == f"{_CUDA}.amp" and names and all(f"amp.{name}" in HANDLED for name in names):
+            return  # the import rule rewrites it
+        if base == _CUDA or base.startswith(_CUDA + "."):
+            if not any(_hazard(m) for m in modules):
+                ctx.unconverted(node, f"from {base} import ...",
+                                f"import torch and write {_CUDA}.NAME, which migrate rewrites, or port by hand")
+                return
+    for dotted in modules:
+        hazard = _hazard(dotted)
+        if hazard:
+            ctx.unconverted(node, hazard.what, hazard.hint)
+            return
+
+
+def check_name(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | None) -> None:
+    """Report a whole dotted name that refers to something unconvertible or unhandled."""
+    for dotted in ctx.qualified(node):
+        hazard = _hazard(dotted)
+        if hazard:
+            ctx.unconverted(node, hazard.what, hazard.hint)
+            return
+        if dotted != _CUDA and not dotted.startswith(_CUDA + "."):
+            continue
+        attribute = dotted[len(_CUDA) + 1 :]
+        called = isinstance(parent, cst.Call) and parent.func is node
+        if attribute in HANDLED and (called or not HANDLED[attribute]):
+            return
+        shown = dotted if attribute else _CUDA
+        hint = ("call it: migrate rewrites only the call" if attribute in HANDLED
+                else "look for the same function in torch.accelerator or torch.get_device_module(DEVICE)")
+        ctx.unconverted(node, f"no rule for {shown}", hint)
+        return
