@@ -259,18 +259,18 @@ class MigrationTransformer(cst.CSTTransformer):
     def leave_Module(self, original_node: cst.Module, updated_node: cst.Module) -> cst.Module:
         header: list[cst.SimpleStatementLine] = []
         if self.ctx.needs_torch and not self._has_torch:
-            header.append(cst.parse_statement("import torch\n"))
+            header.append(cst.parse_statement("import torch\n"))  # joins the imports
         if self.ctx.needs_device and self._existing is None:
             code = DEVICE_DEFINITION.format(name=self.ctx.device_name, torch=self.ctx.torch)
-            header.append(cst.parse_statement(code + "\n"))
+            blank = [cst.EmptyLine()] if self._imports_end > 0 or header else []
+            header.append(cst.parse_statement(code + "\n").with_changes(leading_lines=blank))
         if not header:
             return updated_node
         body = list(updated_node.body)
         end = self._imports_end
-        if end < len(body) and not body[end].leading_lines and end > 0:
+        if end < len(body) and not body[end].leading_lines:
             body[end] = body[end].with_changes(leading_lines=[cst.EmptyLine()])
-        first = header[0].with_changes(leading_lines=[cst.EmptyLine()] if end > 0 else [])
-        return updated_node.with_changes(body=[*body[:end], first, *header[1:], *body[end:]])
+        return updated_node.with_changes(body=[*body[:end], *header, *body[end:]])
 
 
 def _names(module: cst.Module) -> list[cst.Name]:

@@ -1,0 +1,113 @@
+"""Golden before/after pairs, at least one per rule of torchport.migrate, and the rule registry's shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from torchport.migrate import get_rule, list_rules, migrate_source, register_rule
+
+HEADER = 'DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")'
+
+# (rule id, before, after): each `before` follows "import torch" (and the imports it names itself); `after` is the
+# code after the imports and the DEVICE definition.
+GOLDEN = [
+    ("tensor-cuda", "x = t.cuda()", "x = t.to(DEVICE)"),
+    ("tensor-cuda", "m = Net().cuda(1)", "m = Net().to(torch.device(DEVICE.type, 1))"),
+    ("tensor-cuda", "x = t.cuda(non_blocking=True)", "x = t.to(DEVICE, non_blocking=True)"),
+    ("tensor-cuda", "x = t.cuda(rank, True)", "x = t.to(torch.device(DEVICE.type, rank), non_blocking=True)"),
+    ("tensor-cuda", 'x = t.cuda("cuda:1")', 'x = t.to(f"{DEVICE.type}:1")'),
+    ("device-string", 'x = t.to("cuda")', "x = t.to(DEVICE.type)"),
+    ("device-string", "y = torch.zeros(2, device='cuda:0')", "y = torch.zeros(2, device=f'{DEVICE.type}:0')"),
+    ("device-string", 'd = torch.device("cuda", 1)', "d = torch.device(DEVICE.type, 1)"),
+    ("device-string", 'device = "cuda" if torch.cuda.is_available() else "cpu"',
+     'device = DEVICE.type if torch.accelerator.is_available() else "cpu"'),
+    ("device-string", 'g = torch.Generator("cuda")', "g = torch.Generator(DEVICE.type)"),
+    ("device-string", 's = torch.load(p, map_location="cuda")', "s = torch.load(p, map_location=DEVICE.type)"),
+    ("device-string", 'with torch.autocast("cuda"):\n    pass', "with torch.autocast(DEVICE.type):\n    pass"),
+    ("device-string", 'def f(x, device="cuda"):\n    pass', "def f(x, device=DEVICE.type):\n    pass"),
+    ("device-string", 'p.add_argument("--device", default="cuda")', 'p.add_argument("--device", default=DEVICE.type)'),
+    ("device-fstring", 'x = t.to(f"cuda:{rank}")', 'x = t.to(f"{DEVICE.type}:{rank}")'),
+    ("device-check", 'ok = "cuda" in device', 'ok = "cpu" not in device'),
+    ("device-check", "ok = x.device.type == 'cuda'", "ok = x.device.type != 'cpu'"),
+    ("device-check", 'ok = device != "cuda"', 'ok = device == "cpu"'),
+    ("is-cuda", "ok = x.is_cuda", 'ok = x.device.type != "cpu"'),
+    ("is-cuda", "ok = x.is_cuda == flag", 'ok = (x.device.type != "cpu") == flag'),
+    ("cuda-query", "n = torch.cuda.device_count()", "n = torch.accelerator.device_count()"),
+    ("cuda-query", "ok = torch.cuda.is_available()", "ok = torch.accelerator.is_available()"),
+    ("cuda-query", "i = torch.cuda.current_device()", "i = torch.accelerator.current_device_index()"),
+    ("cuda-query", "torch.cuda.set_device(rank)", "torch.accelerator.set_device_index(rank)"),
+    ("cuda-device-module", "torch.cuda.synchronize()", "torch.get_device_module(DEVICE).synchronize()"),
+    ("cuda-device-module", "s = torch.cuda.current_stream()", "s = torch.get_device_module(DEVICE).current_stream()"),
+    ("cuda-device-module", "n = torch.cuda.get_device_name(0)", "n = torch.get_device_module(DEVICE).get_device_name(0)"),
+    ("cuda-memory", "m = torch.cuda.memory_allocated() / 2**20",
+     "m = (torch.accelerator.memory_allocated() if torch.accelerator.is_available() else 0) / 2**20"),
+    ("cuda-memory", "m = torch.cuda.max_memory_reserved(device=0)",
+     "m = (torch.accelerator.max_memory_reserved(0) if torch.accelerator.is_available() else 0)"),
+    ("cuda-memory", "torch.cuda.empty_cache()  # free",
+     "if torch.accelerator.is_available():\n    torch.accelerator.empty_cache()  # free"),
+    ("cuda-memory", "torch.cuda.reset_peak_memory_stats()",
+     "if torch.accelerator.is_available():\n    torch.accelerator.reset_peak_memory_stats()"),
+    ("cuda-seed", "torch.cuda.manual_seed_all(0)",
+     "if torch.accelerator.is_available():\n    torch.get_device_module(DEVICE).manual_seed_all(0)"),
+    ("cuda-seed", "torch.cuda.manual_seed(3)",
+     "if torch.accelerator.is_available():\n    torch.get_device_module(DEVICE).manual_seed(3)"),
+    ("cuda-event", "e = torch.cuda.Event(enable_timing=True)", "e = torch.Event(enable_timing=True)"),
+    ("cuda-event", "e = torch.cuda.Event(True, False)", "e = torch.Event(enable_timing=True, blocking=False)"),
+    ("cuda-stream", "s = torch.cuda.Stream(priority=-1)", "s = torch.Stream(priority=-1)"),
+    ("amp-autocast", "with torch.cuda.amp.autocast():\n    pass", "with torch.amp.autocast(DEVICE.type):\n    pass"),
+    ("amp-autocast", "with torch.cuda.amp.autocast(True, torch.bfloat16):\n    pass",
+     "with torch.amp.autocast(DEVICE.type, enabled=True, dtype=torch.bfloat16):\n    pass"),
+    ("amp-gradscaler", "s = torch.cuda.amp.GradScaler(init_scale=1024)",
+     "s = torch.amp.GradScaler(DEVICE.type, init_scale=1024)"),
+    ("amp-import", "from torch.cuda.amp import autocast, GradScaler\ns = GradScaler()",
+     "s = GradScaler(DEVICE.type)"),
+    ("dist-backend", "import torch.distributed as dist\ndist.init_process_group('nccl')",
+     "dist.init_process_group(dist.get_default_backend_for_device(DEVICE))"),
+    ("dist-backend", 'torch.distributed.init_process_group(backend="nccl", rank=r)',
+     "torch.distributed.init_process_group(backend=torch.distributed.get_default_backend_for_device(DEVICE), "
+     "rank=r)"),
+    ("ddp-device-ids", "from torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(m, device_ids=[r])",
+     'm = DDP(m, device_ids=None if DEVICE.type == "cpu" else [r])'),
+]
+
+
+def _after_imports(code: str) -> str:
+    lines = code.splitlines()
+    body = [line for line in lines if not line.startswith(("import ", "from ")) and line != HEADER]
+    return "\n".join(body).strip()
+
+
+@pytest.mark.parametrize(("rule", "before", "after"), GOLDEN, ids=[f"{r}-{i}" for i, (r, _, _) in enumerate(GOLDEN)])
+def test_golden(rule: str, before: str, after: str) -> None:
+    result = migrate_source(f"import torch\n{before}\n")
+    assert _after_imports(result.code) == after
+    assert rule in {change.rule for change in result.changes}
+    assert result.unconverted == []
+    assert migrate_source(result.code).code == result.code  # idempotent
+    compile(result.code, "<golden>", "exec")
+    assert "torchport" not in result.code
+
+
+def test_amp_import_is_rewritten_to_torch_amp() -> None:
+    code = migrate_source("from torch.cuda.amp import autocast, GradScaler\nwith autocast():\n    pass\n").code
+    assert code.startswith("from torch.amp import autocast, GradScaler\nimport torch\n")
+    assert "with autocast(DEVICE.type):" in code
+
+
+def test_every_rule_has_a_docstring_and_a_golden_pair() -> None:
+    covered = {rule for rule, _, _ in GOLDEN}
+    for rule_id in list_rules():
+        assert get_rule(rule_id).doc, rule_id
+        assert rule_id in covered, f"rule {rule_id} has no golden pair"
+
+
+def test_strings_that_name_no_device_stay() -> None:
+    code = 'import torch\nprint("cuda")\nname = "cuda"\nopts = {"backend": "cuda"}\n'
+    assert migrate_source(code).code == code
+
+
+def test_registry_rejects_duplicates_and_names_what_exists() -> None:
+    with pytest.raises(ValueError, match="already registered"):
+        register_rule("tensor-cuda", object)(lambda original, updated, ctx: None)
+    with pytest.raises(ValueError, match=r"'nope' is not a migrate rule; registered: .*tensor-cuda"):
+        get_rule("nope")
