@@ -14,6 +14,11 @@ Variables:
     ``npu`` activates the simulated Ascend NPU of :mod:`torchport.testing` (tests and demos only).
 ``TORCHPORT_SIMULATE_DEVICES``
     Number of simulated devices (1 to 16, default 1).
+``TORCHPORT_SHIM``
+    The device that CUDA calls are redirected to, set by ``torchport run`` for its child processes (and read by
+    ``import torchport.auto``): a device type or ``type:index``.
+``TORCHPORT_REPORT``
+    ``1`` prints, at exit of a program run with the shim, what was redirected and what cannot run on the device.
 ``TORCHPORT_PROBE``
     ``1`` (default) lets torchport probe reduced-precision dtypes by running small kernels; ``0`` trusts the
     vendor's claims instead (faster start, no kernel launched).
@@ -44,6 +49,8 @@ class Settings:
     simulate: str | None = None
     simulate_devices: int = 1
     probe: bool = True
+    shim: str | None = None
+    report: bool = False
 
 
 # field name -> environment variable
@@ -52,6 +59,8 @@ VARIABLES: dict[str, str] = {
     "simulate": "TORCHPORT_SIMULATE",
     "simulate_devices": "TORCHPORT_SIMULATE_DEVICES",
     "probe": "TORCHPORT_PROBE",
+    "shim": "TORCHPORT_SHIM",
+    "report": "TORCHPORT_REPORT",
 }
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
@@ -80,7 +89,7 @@ def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | Non
 def _validate(name: str, value: Any, source: str) -> Any:
     if value is None or value == "":
         return _DEFAULTS[name]
-    if name == "device":
+    if name in ("device", "shim"):
         kind, index = parse_device_spec(str(value), source)
         return kind if index is None else f"{kind}:{index}"
     if name == "simulate":
@@ -96,7 +105,7 @@ def _validate(name: str, value: Any, source: str) -> Any:
         if not 1 <= count <= 16:
             raise ValueError(f"{source}={value!r} is not a device count; valid values: integers 1 to 16")
         return count
-    if name == "probe":
+    if name in ("probe", "report"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()

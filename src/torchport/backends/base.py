@@ -62,6 +62,10 @@ class Backend:
     visible_devices_variable: ClassVar[str | None] = None
     #: Whether ``safetensors.torch.load_file(..., device=...)`` can place tensors on this device directly.
     safetensors_direct: ClassVar[bool] = False
+    #: Whether host tensors can be pinned for fast, asynchronous copies to this device.
+    pins_memory: ClassVar[bool] = True
+    #: Name of the ``torch.profiler.ProfilerActivity`` that records this device's kernels, or None.
+    profiler_activity: ClassVar[str | None] = None
 
     def __init__(self) -> None:
         self._probes: dict[int, dict[torch.dtype, DtypeProbe]] = {}
@@ -155,8 +159,12 @@ class Backend:
     def manual_seed_all(self, seed: int) -> None:
         self.module().manual_seed_all(seed)
 
+    def new_generator(self, index: int) -> torch.Generator:
+        """An unseeded random generator whose numbers are drawn for this device."""
+        return torch.Generator(device=self.device(index))
+
     def generator(self, seed: int, index: int) -> torch.Generator:
-        return torch.Generator(device=self.device(index)).manual_seed(seed)
+        return self.new_generator(index).manual_seed(seed)
 
     def event(self, enable_timing: bool = False) -> Any | None:
         """A device event (``record``, ``synchronize``, ``elapsed_time``), or None for devices without events."""
@@ -190,6 +198,15 @@ class Backend:
             if self.dtype_works(dtype, index, probe):
                 return dtype
         return torch.float32
+
+    def autocast_dtype(self, requested: torch.dtype | None, index: int) -> torch.dtype:
+        """The dtype ``torch.autocast`` should use here when code asked for ``requested`` (None: fp16, CUDA's
+        default): the request when it works on the device, else the preferred low-precision dtype."""
+        requested = requested or torch.float16
+        if self.dtype_works(requested, index):
+            return requested
+        preferred = self.preferred_dtype(index)
+        return preferred if preferred != torch.float32 else torch.bfloat16
 
     def dtype_works(self, dtype: torch.dtype, index: int, probe: bool | None = None) -> bool:
         """Whether a dtype computes correctly: by probe, or by the vendor's word when probing is off.

@@ -54,6 +54,8 @@ def host_memory() -> dict[str, int | None]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * scale
     except (ImportError, OSError):
         pass
+    if peak is not None and rss is not None:
+        peak = max(peak, rss)  # ru_maxrss and statm count pages differently; a peak is never below the present
     return {"total": total, "available": available, "process_rss": rss, "process_peak_rss": peak}
 
 
@@ -62,6 +64,7 @@ class CpuBackend(Backend):
     name = "cpu"
     dist_backend = "gloo"
     safetensors_direct = True
+    pins_memory = False  # host memory is already where the CPU computes
 
     def is_available(self) -> bool:
         return True
@@ -116,8 +119,8 @@ class CpuBackend(Backend):
     def manual_seed_all(self, seed: int) -> None:
         torch.manual_seed(seed)
 
-    def generator(self, seed: int, index: int) -> torch.Generator:
-        return torch.Generator().manual_seed(seed)
+    def new_generator(self, index: int) -> torch.Generator:
+        return torch.Generator()
 
     def event(self, enable_timing: bool = False) -> None:
         return None  # host work is synchronous: the host clock times it
@@ -130,6 +133,10 @@ class CpuBackend(Backend):
 
     def claims_dtype(self, dtype: torch.dtype, index: int) -> bool:
         return dtype == torch.float32 or _native_bf16() and dtype == torch.bfloat16
+
+    def autocast_dtype(self, requested: torch.dtype | None, index: int) -> torch.dtype:
+        # CPU autocast computes fp16 slowly and with no loss scaling to protect it: bf16 has fp32's range.
+        return torch.bfloat16
 
     def preferred_dtype(self, index: int, probe: bool | None = None) -> torch.dtype:
         # bf16 runs everywhere on CPU but is emulated (slower than fp32) without AVX512-BF16 or AMX.

@@ -30,6 +30,7 @@ class CudaBackend(Backend):
     name = "cuda"
     dist_backend = "nccl"  # on ROCm, RCCL answers to the same name
     safetensors_direct = True
+    profiler_activity = "CUDA"
 
     @property
     def visible_devices_variable(self) -> str:  # type: ignore[override]

@@ -48,6 +48,7 @@ class NpuBackend(Backend):
     dist_backend = "hccl"
     visible_devices_variable = "ASCEND_RT_VISIBLE_DEVICES"
     safetensors_direct = True
+    profiler_activity = "PrivateUse1"  # torch_npu registers as PyTorch's PrivateUse1 backend
 
     def __init__(self) -> None:
         super().__init__()

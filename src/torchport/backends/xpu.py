@@ -16,6 +16,7 @@ class XpuBackend(Backend):
     dist_backend = "xccl"
     visible_devices_variable = "ZE_AFFINITY_MASK"
     safetensors_direct = True
+    profiler_activity = "XPU"
 
     def is_available(self) -> bool:
         return hasattr(torch, "xpu") and torch.xpu.is_available()

@@ -171,6 +171,9 @@ class SimulatedTensor(torch.Tensor):
         wrapper = torch.Tensor._make_wrapper_subclass(
             cls, raw.size(), strides=raw.stride(), storage_offset=raw.storage_offset(), dtype=raw.dtype,
             layout=raw.layout, device=torch.device(_NPU, index), requires_grad=raw.requires_grad,
+            # sizes and strides are asked of __torch_dispatch__, so they follow the host tensor when an out= op
+            # or resize_ changes it (torch.arange and torch.eye write into an empty out tensor)
+            dispatch_sizes_strides_policy="sizes",
         )
         wrapper._raw = raw
         return wrapper
@@ -199,17 +202,45 @@ class SimulatedTensor(torch.Tensor):
         return self._raw.detach().numpy()
 
     def __reduce_ex__(self, protocol: int) -> Any:
-        # Pickle as host data plus the device index, so torch.save / multiprocessing round-trip in-process.
-        return (_rebuild, (self._raw.detach().clone(), self.device.index, self.requires_grad))
+        # Host data plus the device index. torch.save tags the host storage "npu:i" (see _tag_storage), so
+        # torch.load's map_location decides where it lands, as for a real device tensor.
+        return (_rebuild, (self._raw.detach(), self.device.index, self.requires_grad))
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
         return _run_on_host(func, args, kwargs or {})
 
 
+# data_ptr of a host storage torch.load restored -> the location map_location sent it to ("cpu" or "npu:i")
+_restored: dict[int, str] = {}
+
+
 def _rebuild(raw: torch.Tensor, index: int, requires_grad: bool) -> torch.Tensor:
-    tensor = SimulatedTensor(raw, index)
+    where = _restored.get(raw.untyped_storage().data_ptr()) if raw.numel() else None
+    if where == "cpu":
+        tensor = raw  # torch.load(..., map_location="cpu")
+    else:
+        tensor = SimulatedTensor(raw, index if where is None else state().resolve(where))
     return tensor.requires_grad_(requires_grad) if requires_grad else tensor
+
+
+def _tag_storage(storage: Any) -> str | None:
+    """torch.save's location of a storage: "npu:i" for the host storage behind a simulated tensor."""
+    if _state is None or storage.device.type != "cpu" or storage.nbytes() == 0:
+        return None
+    pointer = storage.data_ptr()
+    with _state.lock:
+        return next((f"npu:{index}" for index, ptr in _state.storages if ptr == pointer), None)
+
+
+def _restore_storage(storage: Any, location: str) -> Any:
+    """torch.load's restore of a storage: stays in host memory; _rebuild wraps it according to ``location``."""
+    if _state is None or not location.startswith(("npu", "cpu")):
+        return None
+    where = "cpu" if location.startswith("cpu") else f"npu:{_state.resolve(location)}"
+    if storage.nbytes():
+        _restored[storage.data_ptr()] = where
+    return storage
 
 
 def _run_on_host(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
@@ -340,6 +371,7 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
         sys.modules["torch.npu.amp"] = torch.npu.amp
 
         torch.serialization.add_safe_globals([_rebuild])  # torch.load(weights_only=True) of simulated tensors
+        torch.serialization.register_package(5, _tag_storage, _restore_storage)  # before cpu's (10)
         fallback = torch.library.Library("_", "IMPL")
         fallback.fallback(_factory_fallback, "PrivateUse1")
         copies = torch.library.Library("aten", "IMPL")
@@ -356,9 +388,11 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
             """The npu backend, except for what a Python-registered device cannot do."""
 
             safetensors_direct = False
+            pins_memory = False  # PyTorch's Python backend hooks cannot provide a pinned allocator
+            profiler_activity = None
 
             def versions(self) -> dict[str, str | None]:
                 return {"torch_npu": None, "cann": None, "simulated": "torchport.testing"}
 
-            def generator(self, seed: int, index: int) -> torch.Generator:
-                return torch.Generator().manual_seed(seed)
+            def new_generator(self, index: int) -> torch.Generator:
+                return torch.Generator()
