@@ -17,7 +17,7 @@ from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 from .. import __version__
-from . import doctor, migrate
+from . import doctor, migrate, run
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -30,6 +30,7 @@ class Command(NamedTuple):
 
 COMMANDS: dict[str, Command] = {
     "doctor": Command(doctor.HELP, doctor.add_arguments, doctor.handle),
+    "run": Command(run.HELP, run.add_arguments, run.handle),
     "migrate": Command(migrate.HELP, migrate.add_arguments, migrate.handle),
 }
 

@@ -1,0 +1,220 @@
+"""``torch.cuda.*`` answered by the target's backend, so CUDA-written code queries the device it really runs on."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import time
+from collections.abc import Iterator
+from typing import Any, NamedTuple
+
+import torch
+
+from .redirect import Patcher, Target, called_by_user
+from .torch_api import scaler_enabled
+
+__all__ = ["HostEvent", "HostStream", "install", "make_event", "make_stream"]
+
+
+class HostEvent:
+    """A CUDA-event stand-in for targets without events: host work is synchronous, so the host clock times it."""
+
+    def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False) -> None:
+        self.enable_timing = enable_timing
+        self._time: float | None = None
+
+    def record(self, stream: Any = None) -> None:
+        self._time = time.perf_counter()
+
+    def wait(self, stream: Any = None) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def elapsed_time(self, end_event: HostEvent) -> float:
+        if self._time is None or end_event._time is None:
+            raise RuntimeError("Both events must be recorded before calculating elapsed time.")
+        return (end_event._time - self._time) * 1e3
+
+
+class HostStream:
+    """A CUDA-stream stand-in for targets without streams: work runs in order on the host."""
+
+    def __init__(self, device: Any = None, priority: int = 0, **kwargs: Any) -> None:
+        self.priority = priority
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+    def wait_event(self, event: Any) -> None:
+        pass
+
+    def wait_stream(self, stream: Any) -> None:
+        pass
+
+    def record_event(self, event: Any = None) -> Any:
+        event = event or HostEvent()
+        event.record()
+        return event
+
+
+_HOST_STREAM = HostStream()
+
+
+class _DeviceProperties(NamedTuple):
+    """What CUDA code reads from get_device_properties(), for targets whose vendor object lacks it."""
+
+    name: str
+    total_memory: int
+    major: int
+    minor: int
+    multi_processor_count: int
+
+
+def make_event(target: Target, device: Any = None, enable_timing: bool = False, **kwargs: Any) -> Any:
+    event = target.backend.event(enable_timing=enable_timing)
+    return event if event is not None else HostEvent(enable_timing)
+
+
+def make_stream(target: Target, device: Any = None, priority: int = 0, **kwargs: Any) -> Any:
+    stream = target.backend.stream(target.index(device))
+    return stream if stream is not None else HostStream(priority=priority)
+
+
+def _memory(target: Target, key: str, host_key: str) -> Any:
+    def read(device: Any = None) -> int:
+        stats = target.backend.memory_stats(target.index(device))
+        value = stats.get(key)
+        return int(value if value is not None else stats.get(host_key) or 0)  # CPU: the process's resident set
+
+    return read
+
+
+def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small function per torch.cuda name
+    """Replace the ``torch.cuda`` functions that CUDA-written programs call by ones that ask ``target``."""
+    backend, cuda, record = target.backend, torch.cuda, target.recorder.record
+
+    def redirect(name: str, fn: Any) -> None:
+        @functools.wraps(fn)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            record(f"torch.cuda.{name}")
+            return fn(*args, **kwargs)
+
+        patcher.set(cuda, name, call)
+
+    def for_user(name: str, redirected: Any) -> None:
+        """The program gets the target's answer; torch and other libraries keep CUDA's own (see called_by_user)."""
+        original = getattr(cuda, name)
+
+        @functools.wraps(original)
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if called_by_user():
+                record(f"torch.cuda.{name}")
+                return redirected(*args, **kwargs)
+            return original(*args, **kwargs)
+
+        patcher.set(cuda, name, call)
+
+    for_user("is_available", backend.is_available)
+    for_user("device_count", backend.device_count)
+    # torch.manual_seed itself calls torch.cuda.manual_seed_all (lazily queued when CUDA is absent)
+    for_user("manual_seed", backend.manual_seed_all)
+    for_user("manual_seed_all", backend.manual_seed_all)
+    redirect("current_device", backend.current_index)
+    redirect("set_device", lambda device: backend.set_index(target.index(device)))
+    redirect("synchronize", lambda device=None: backend.synchronize(target.index(device)))
+    redirect("empty_cache", backend.empty_cache)
+    redirect("reset_peak_memory_stats", lambda device=None: backend.reset_peak_memory_stats(target.index(device)))
+    redirect("reset_max_memory_allocated", lambda device=None: backend.reset_peak_memory_stats(target.index(device)))
+    redirect("memory_allocated", _memory(target, "allocated", "process_rss"))
+    redirect("memory_reserved", _memory(target, "reserved", "process_rss"))
+    redirect("max_memory_allocated", _memory(target, "peak_allocated", "process_peak_rss"))
+    redirect("max_memory_reserved", _memory(target, "peak_reserved", "process_peak_rss"))
+    redirect("mem_get_info", lambda device=None: backend.mem_get_info(target.index(device)) or (0, 0))
+    redirect("get_device_name", lambda device=None: backend.device_name(target.index(device)))
+    redirect("is_bf16_supported",
+             lambda *a, **k: backend.dtype_works(torch.bfloat16, backend.current_index()))
+    redirect("is_initialized", lambda: True)
+    redirect("init", lambda: None)
+
+    def get_device_properties(device: Any = None) -> Any:
+        index = target.index(device)
+        vendor = getattr(backend.module(), "get_device_properties", None)
+        props = vendor(index) if vendor is not None else None
+        if props is not None and hasattr(props, "major"):
+            return props
+        info = backend.properties(index)
+        major, minor = get_device_capability(index)
+        cores = int(getattr(props, "cube_core_num", 0) or info.get("logical_cores") or 1)
+        return _DeviceProperties(backend.device_name(index), int(info.get("total_memory") or 0), major, minor, cores)
+
+    def get_device_capability(device: Any = None) -> tuple[int, int]:
+        vendor = getattr(backend.module(), "get_device_capability", None)
+        if vendor is not None:
+            with contextlib.suppress(Exception):
+                return tuple(vendor(target.index(device)))
+        # No CUDA compute capability here: report the generation whose features the device has (8.0: bf16).
+        return (8, 0) if backend.dtype_works(torch.bfloat16, target.index(device)) else (7, 0)
+
+    redirect("get_device_properties", get_device_properties)
+    redirect("get_device_capability", get_device_capability)
+
+    redirect("Event", lambda enable_timing=False, blocking=False, interprocess=False: make_event(
+        target, enable_timing=enable_timing))
+    redirect("Stream", lambda device=None, priority=0, **kwargs: make_stream(target, device, priority))
+
+    def current_stream(device: Any = None) -> Any:
+        return backend.current_stream(target.index(device)) or _HOST_STREAM
+
+    @contextlib.contextmanager
+    def stream(s: Any) -> Iterator[None]:
+        module_stream = getattr(backend.module(), "stream", None) if not isinstance(s, HostStream) else None
+        if s is None or module_stream is None:
+            yield
+        else:
+            with module_stream(s):
+                yield
+
+    @contextlib.contextmanager
+    def device_context(device: Any) -> Iterator[None]:
+        previous = backend.current_index()
+        index = target.index(device) if device is not None and device != -1 else previous
+        backend.set_index(index)
+        try:
+            yield
+        finally:
+            backend.set_index(previous)
+
+    redirect("current_stream", current_stream)
+    redirect("default_stream", current_stream)
+    redirect("stream", stream)
+    redirect("device", device_context)
+
+    def amp_autocast(enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> Any:
+        record("torch.cuda.amp.autocast")
+        dtype = backend.autocast_dtype(dtype, backend.current_index())
+        return torch.amp.autocast(target.type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+
+    def amp_grad_scaler(*args: Any, enabled: bool = True, **kwargs: Any) -> Any:
+        record("torch.cuda.amp.GradScaler")
+        return torch.amp.GradScaler(target.type, *args, enabled=enabled and scaler_enabled(target), **kwargs)
+
+    patcher.set(cuda.amp, "autocast", amp_autocast)
+    patcher.set(cuda.amp, "GradScaler", amp_grad_scaler)
+
+    # NVTX ranges are annotations for NVIDIA's profilers: on other targets they mean nothing.
+    @contextlib.contextmanager
+    def nvtx_range(*args: Any, **kwargs: Any) -> Iterator[None]:
+        record("torch.cuda.nvtx")
+        yield
+
+    for name, fn in (("range_push", lambda *a, **k: 0), ("range_pop", lambda *a, **k: 0), ("mark", lambda *a, **k: None),
+                     ("range_start", lambda *a, **k: 0), ("range_end", lambda *a, **k: None), ("range", nvtx_range)):
+        patcher.wrap(cuda.nvtx, name, lambda _, fn=fn: fn)

@@ -1,0 +1,93 @@
+"""What the shim redirected and what it met that cannot run on the target, printed at exit on request."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+from typing import Any
+
+__all__ = ["Recorder", "Finding"]
+
+_OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/torchport
+_TORCH = None
+
+
+def _call_site() -> str:
+    """file:line of the first frame outside torchport and torch: the user's line that made the call."""
+    global _TORCH
+    if _TORCH is None:
+        import torch
+
+        _TORCH = os.path.dirname(torch.__file__)
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith((_OWN_CODE, _TORCH)) and "importlib" not in filename:
+            return f"{os.path.relpath(filename) if not filename.startswith('<') else filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+@dataclasses.dataclass
+class Finding:
+    """Something CUDA-only that the program used, with where and what to do instead."""
+
+    name: str
+    site: str
+    hint: str
+
+
+class Recorder:
+    """Counts redirected calls per API and keeps the first call site of each."""
+
+    def __init__(self) -> None:
+        self.counts: dict[str, int] = {}
+        self.sites: dict[str, str] = {}
+        self.findings: list[Finding] = []
+        self._lock = threading.Lock()
+
+    def record(self, api: str) -> None:
+        count = self.counts.get(api)
+        if count is None:
+            site = _call_site()  # walked once per API: cheap enough for calls in a training loop
+            with self._lock:
+                self.sites.setdefault(api, site)
+                self.counts[api] = self.counts.get(api, 0) + 1
+        else:
+            self.counts[api] = count + 1
+
+    def find(self, name: str, hint: str) -> None:
+        site = _call_site()
+        with self._lock:
+            if not any(f.name == name and f.site == site for f in self.findings):
+                self.findings.append(Finding(name, site, hint))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "redirected": [{"api": api, "count": n, "first_site": self.sites.get(api, "?")}
+                           for api, n in sorted(self.counts.items(), key=lambda item: -item[1])],
+            "cuda_only": [dataclasses.asdict(f) for f in self.findings],
+        }
+
+    def print(self, target: str, file: Any = None) -> None:
+        """A table of redirected APIs and one of CUDA-only things, on stderr."""
+        from rich.console import Console
+        from rich.table import Table
+
+        console = Console(file=file or sys.stderr, width=120)
+        table = Table(title=f"torchport: CUDA calls redirected to {target}")
+        for column in ("API", "calls", "first call site"):
+            table.add_column(column)
+        data = self.to_dict()
+        for row in data["redirected"]:
+            table.add_row(row["api"], str(row["count"]), row["first_site"])
+        console.print(table if data["redirected"] else f"torchport: no CUDA call was redirected to {target}")
+        if data["cuda_only"]:
+            found = Table(title=f"CUDA-only code that cannot run on {target}")
+            for column in ("what", "where", "what to do"):
+                found.add_column(column, overflow="fold")
+            for row in data["cuda_only"]:
+                found.add_row(row["name"], row["site"], row["hint"])
+            console.print(found)

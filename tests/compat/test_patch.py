@@ -1,0 +1,160 @@
+"""The shim as a library: patch/unpatch, what it redirects, and who gets the real answer."""
+
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+import torch
+
+import torchport.compat as compat
+from torchport.backends import get_backend
+from torchport.compat.redirect import Target
+from torchport.compat.report import Recorder
+
+
+@pytest.fixture
+def shim(device: torch.device):
+    if device.type == "cuda":
+        pytest.skip("on CUDA the shim has nothing to redirect")
+    compat.patch(device)
+    yield device
+    compat.unpatch()
+
+
+def _snapshot() -> dict:
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    from torch.utils import cpp_extension
+
+    owners = [torch, torch.Tensor, torch.nn.Module, torch.cuda, torch.cuda.amp, torch.cuda.nvtx, torch.amp,
+              torch.amp.autocast_mode, dist, DistributedDataParallel, torch.nn.DataParallel, torch.profiler.profile,
+              cpp_extension]
+    return {(id(o), name): o.__dict__.get(name) for o in owners for name in list(vars(o))}
+
+
+def test_unpatch_restores_every_attribute(device: torch.device) -> None:
+    before = _snapshot()
+    meta_path = list(sys.meta_path)
+    compat.patch(device)
+    assert compat.is_patched() and compat.target().type == device.type
+    compat.unpatch()
+    assert _snapshot() == before and sys.meta_path == meta_path
+    assert not compat.is_patched() and compat.target() is None
+    compat.unpatch()  # a second unpatch is harmless
+
+
+def test_patch_is_idempotent_and_thread_safe(shim: torch.device) -> None:
+    patched = len(compat._state["patcher"].patched())
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(compat.patch(shim))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(set(map(str, results))) == 1 and len(compat._state["patcher"].patched()) == patched
+
+
+def test_cuda_names_land_on_the_target(shim: torch.device) -> None:
+    kind = shim.type
+    assert torch.ones(2, device="cuda").device.type == kind
+    assert torch.zeros(2, device=torch.device("cuda", 0)).device.type == kind
+    assert torch.randn(3).cuda().device.type == kind and torch.randn(3).to("cuda:0").device.type == kind
+    assert torch.empty(2).new_zeros(3, device="cuda").device.type == kind
+    assert torch.full_like(torch.ones(2), 3, device="cuda").device.type == kind
+    assert torch.nn.Linear(2, 2).cuda().weight.device.type == kind
+    assert torch.nn.Linear(2, 2).to("cuda").weight.device.type == kind
+    assert torch.ones(2).cuda().is_cuda
+    assert torch.cuda.is_available() and torch.cuda.device_count() >= 1
+    assert isinstance(torch.cuda.memory_allocated(), int) and isinstance(torch.cuda.get_device_name(), str)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    with torch.cuda.amp.autocast():
+        assert (torch.ones(2, 2, device="cuda") @ torch.ones(2, 2, device="cuda")).dtype in (torch.float16,
+                                                                                           torch.bfloat16)
+    g = torch.Generator("cuda")
+    assert isinstance(g, torch.Generator)
+    with torch.cuda.nvtx.range("region"):
+        torch.cuda.nvtx.range_push("x")
+        torch.cuda.nvtx.range_pop()
+    names = {row["api"] for row in compat.report()["redirected"]}
+    assert {"torch.ones(device=cuda)", "Tensor.cuda", "Module.cuda", "torch.cuda.synchronize"} <= names
+
+
+def test_libraries_get_the_real_answers(shim: torch.device) -> None:
+    # torch (or transformers, accelerate...) asking must not be told CUDA exists: it would pick CUDA-only paths.
+    real = torch.cuda._is_compiled() and torch.cuda.device_count.__wrapped__()  # type: ignore[attr-defined]
+    library = {"__name__": "transformers.modeling_utils", "torch": torch}
+    exec("answer = torch.cuda.is_available()", library)  # noqa: S102 - a library's frame, made on purpose
+    assert library["answer"] == bool(real)
+    user = {"__name__": "__main__", "torch": torch}
+    exec("answer = torch.cuda.is_available()", user)  # noqa: S102
+    assert user["answer"] is True
+
+
+def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:
+    backend = get_backend(shim.type)
+    fp16 = backend.autocast_dtype(torch.float16, 0) == torch.float16
+    assert torch.amp.GradScaler("cuda").is_enabled() == fp16
+    assert torch.cuda.amp.GradScaler().is_enabled() == fp16
+
+
+def test_cuda_only_imports_fail_with_a_hint(shim: torch.device) -> None:
+    with pytest.raises(ImportError, match="flash_attn is CUDA-only and cannot run on .*scaled_dot_product_attention"):
+        import flash_attn  # noqa: F401
+    with pytest.raises(ImportError, match="cupy is CUDA-only"):
+        import cupy  # noqa: F401
+    found = {row["name"] for row in compat.report()["cuda_only"]}
+    assert {"flash_attn", "cupy"} <= found
+
+
+def test_cuda_extension_builds_fail_clearly(shim: torch.device, tmp_path) -> None:
+    from torch.utils import cpp_extension
+
+    with pytest.raises(RuntimeError, match="builds a CUDA extension, which cannot run on"):
+        cpp_extension.load("my_kernels", sources=[str(tmp_path / "k.cu")])
+
+
+def test_device_map() -> None:
+    target = Target(get_backend("cpu"), Recorder())
+    assert target.map("cuda") == "cpu" and target.map("cuda:1") == "cpu" and target.map("meta") == "meta"
+    assert target.map(torch.device("cuda", 0)) == torch.device("cpu") and target.map(3) == 3
+    assert target.map_index(0) == torch.device("cpu")
+    assert target.map("cuda", "api") == "cpu" and target.recorder.counts == {"api": 1}
+
+
+def test_bad_target() -> None:
+    with pytest.raises(ValueError, match="'gpu' is not a device type; registered"):
+        compat.patch("gpu")
+    assert not compat.is_patched()
+
+
+def _run(code: str, **env: str) -> subprocess.CompletedProcess:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("TORCHPORT_")}
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True,
+                          env={**clean, **env}, timeout=120)
+
+
+def test_import_auto_patches() -> None:
+    result = _run("""
+        import torchport.auto, torch
+        print(torch.ones(1, device="cuda").device.type, torch.cuda.is_available())
+    """, TORCHPORT_SHIM="cpu")
+    assert result.stdout.split() == ["cpu", "True"], result.stderr
+
+
+def test_distributed_init_on_cpu_with_nccl_asked() -> None:
+    result = _run("""
+        import torch, torch.distributed as dist, torchport, torchport.distributed, torchport.compat
+        print(torchport.distributed.backend_name("cpu"))
+        device = torchport.distributed.init("cpu", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        print(device, dist.get_backend())
+        dist.destroy_process_group()
+        torchport.compat.patch("cpu")
+        dist.init_process_group("nccl", init_method="tcp://127.0.0.1:0", rank=0, world_size=1)
+        t = torch.ones(2).cuda(); dist.all_reduce(t); print(dist.get_backend(), t.tolist())
+    """, LOCAL_RANK="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[:3] == ["gloo", "cpu gloo", "gloo [1.0, 1.0]"]
