@@ -7,10 +7,6 @@ import json
 from collections.abc import Sequence
 from typing import Any
 
-from rich.console import Console
-from rich.table import Table
-from rich.text import Text
-
 from .. import info
 from ..doctor import Check, run_checks
 
@@ -45,6 +41,8 @@ def handle(args: argparse.Namespace) -> int:
     if args.json:
         print(render_json(checks))
     else:
+        from rich.console import Console
+
         render_table(checks, Console())
     return exit_code(checks)
 
@@ -64,12 +62,15 @@ def render_json(checks: Sequence[Check]) -> str:
     return json.dumps(document, indent=2, default=str)
 
 
-def render_table(checks: Sequence[Check], console: Console) -> None:
-    """Print one row per check (check, device, PASS/FAIL, detail) and a summary line.
+def render_table(checks: Sequence[Check], console: Any) -> None:
+    """Print one row per check (check, device, PASS/FAIL, detail) and a summary line on a rich Console.
 
     Example:
-        >>> render_table(run_checks("cpu"), Console())
+        >>> render_table(run_checks("cpu"), rich.console.Console())
     """
+    from rich.table import Table
+    from rich.text import Text
+
     table = Table(title="torchport doctor")
     table.add_column("check", no_wrap=True)
     table.add_column("device", no_wrap=True)

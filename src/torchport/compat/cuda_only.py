@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import importlib.abc
+import importlib.util
 import sys
 from typing import Any
 
@@ -23,11 +24,17 @@ CUDA_ONLY_PACKAGES = {
 }
 
 
-class _Guard(importlib.abc.MetaPathFinder):
-    def __init__(self, target: Target) -> None:
-        self.target = target
+_CPP_EXTENSION = "torch.utils.cpp_extension"
 
-    def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
+
+class _Guard(importlib.abc.MetaPathFinder):
+    def __init__(self, target: Target, on_cpp_extension: Any) -> None:
+        self.target = target
+        self.on_cpp_extension = on_cpp_extension
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name == _CPP_EXTENSION:
+            return self._after_loading(name)
         top = name.partition(".")[0]
         hint = CUDA_ONLY_PACKAGES.get(top)
         if hint is None:
@@ -37,16 +44,31 @@ class _Guard(importlib.abc.MetaPathFinder):
             f"{top} is CUDA-only and cannot run on {self.target.type} (torchport shim): {hint}", name=name
         )
 
+    def _after_loading(self, name: str) -> Any:
+        # cpp_extension imports setuptools (0.2 s): guard it when the program imports it, not before.
+        sys.meta_path.remove(self)
+        try:
+            spec = importlib.util.find_spec(name)
+        finally:
+            sys.meta_path.insert(0, self)
+        if spec is None or spec.loader is None:
+            return spec
+        loader, original_exec = spec.loader, spec.loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            loader.exec_module = original_exec
+            original_exec(module)
+            self.on_cpp_extension(module)
+
+        loader.exec_module = exec_module
+        return spec
+
 
 def install(target: Target, patcher: Patcher) -> Any:
     """Refuse CUDA-only imports and CUDA extension builds with a clear message; returns the import guard."""
-    guard = _Guard(target)
-    sys.meta_path.insert(0, guard)
     for name in list(sys.modules):
         if name.partition(".")[0] in CUDA_ONLY_PACKAGES:
             target.recorder.find(name.partition(".")[0], CUDA_ONLY_PACKAGES[name.partition(".")[0]])
-
-    from torch.utils import cpp_extension
 
     def guarded(original: Any, api: str) -> Any:
         @functools.wraps(original)
@@ -65,6 +87,13 @@ def install(target: Target, patcher: Patcher) -> Any:
 
         return call
 
-    patcher.wrap(cpp_extension, "load", lambda fn: guarded(fn, "torch.utils.cpp_extension.load"))
-    patcher.wrap(cpp_extension, "load_inline", lambda fn: guarded(fn, "torch.utils.cpp_extension.load_inline"))
+    def guard_builds(cpp_extension: Any) -> None:
+        with patcher.lock:
+            patcher.wrap(cpp_extension, "load", lambda fn: guarded(fn, f"{_CPP_EXTENSION}.load"))
+            patcher.wrap(cpp_extension, "load_inline", lambda fn: guarded(fn, f"{_CPP_EXTENSION}.load_inline"))
+
+    guard = _Guard(target, guard_builds)
+    sys.meta_path.insert(0, guard)
+    if _CPP_EXTENSION in sys.modules:
+        guard_builds(sys.modules[_CPP_EXTENSION])
     return guard
