@@ -128,7 +128,8 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
     for_user("manual_seed", backend.manual_seed_all)
     for_user("manual_seed_all", backend.manual_seed_all)
     redirect("current_device", backend.current_index)
-    redirect("set_device", lambda device: backend.set_index(target.index(device)))
+    # On the host every CUDA index means the one CPU (torchrun ranks call set_device(LOCAL_RANK)).
+    redirect("set_device", lambda device: None if target.host else backend.set_index(target.index(device)))
     redirect("synchronize", lambda device=None: backend.synchronize(target.index(device)))
     redirect("empty_cache", backend.empty_cache)
     redirect("reset_peak_memory_stats", lambda device=None: backend.reset_peak_memory_stats(target.index(device)))
@@ -159,7 +160,9 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
         vendor = getattr(backend.module(), "get_device_capability", None)
         if vendor is not None:
             with contextlib.suppress(Exception):
-                return tuple(vendor(target.index(device)))
+                answer = vendor(target.index(device))
+                if isinstance(answer, tuple) and len(answer) == 2:  # torch_npu may answer None
+                    return answer
         # No CUDA compute capability here: report the generation whose features the device has (8.0: bf16).
         return (8, 0) if backend.dtype_works(torch.bfloat16, target.index(device)) else (7, 0)
 
@@ -184,6 +187,9 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
 
     @contextlib.contextmanager
     def device_context(device: Any) -> Iterator[None]:
+        if target.host:
+            yield
+            return
         previous = backend.current_index()
         index = target.index(device) if device is not None and device != -1 else previous
         backend.set_index(index)

@@ -41,6 +41,11 @@ class Target:
     def __repr__(self) -> str:
         return f"Target({self.type})"
 
+    @property
+    def host(self) -> bool:
+        """Whether the target is the host CPU, which every rank and every CUDA index shares."""
+        return self.backend.device(0).index is None
+
     def device(self, index: int | None = None) -> torch.device:
         """The target device for a CUDA index (None: the current device)."""
         return self.backend.device(self.backend.current_index() if index is None else index)

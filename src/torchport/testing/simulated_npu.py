@@ -282,21 +282,37 @@ def _run_on_host(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
             target = None
     if host_kwargs.get("pin_memory"):
         host_kwargs["pin_memory"] = False
-    if "generator" in host_kwargs or _takes_generator(func):
-        if host_kwargs.get("generator") is None and target is not None:
-            host_kwargs["generator"] = st.generators[target]
+    if target is not None and torch.Tag.nondeterministic_seeded in func.tags:
+        if _takes_generator(func):
+            if host_kwargs.get("generator") is None:
+                host_kwargs["generator"] = st.generators[target]
+        else:  # rand_like, native_dropout...: draw from the device's generator through the host default one
+            out = _with_device_rng(st.generators[target], func, host_args, host_kwargs)
+            return tree_map(lambda x: _wrap_result(x, originals, target), out)
 
     out = func(*host_args, **host_kwargs)
 
-    def wrap(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            if id(x) in originals:
-                return originals[id(x)]
-            if target is not None and not isinstance(x, SimulatedTensor) and x.device.type == "cpu":
-                return SimulatedTensor(x, target)
-        return x
+    return tree_map(lambda x: _wrap_result(x, originals, target), out)
 
-    return tree_map(wrap, out)
+
+def _wrap_result(x: Any, originals: dict[int, torch.Tensor], target: int | None) -> Any:
+    if isinstance(x, torch.Tensor):
+        if id(x) in originals:  # in-place ops return their input: give back the caller's tensor
+            return originals[id(x)]
+        if target is not None and not isinstance(x, SimulatedTensor) and x.device.type == "cpu":
+            return SimulatedTensor(x, target)
+    return x
+
+
+def _with_device_rng(generator: torch.Generator, func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
+    host = torch.random.default_generator
+    saved = host.get_state()
+    host.set_state(generator.get_state())
+    try:
+        return func(*args, **kwargs)
+    finally:
+        generator.set_state(host.get_state())
+        host.set_state(saved)
 
 
 _generator_ops: dict[Any, bool] = {}

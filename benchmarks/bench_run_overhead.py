@@ -1,0 +1,95 @@
+"""What `torchport run` costs: start-up added to a script, and per-step overhead of a training step.
+
+Both are measured in one process tree on one machine, interleaving plain ``python`` and ``torchport run`` runs
+so that drift affects both alike. Prints a table and writes JSON (default benchmarks/results/run_overhead.json).
+
+    python benchmarks/bench_run_overhead.py [--rounds 5] [--steps 30] [--json PATH]
+
+Targets (issue 3): per-step overhead on CUDA <= 1%; start-up added < 0.3 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _command(torchport: bool, script: str, *args: str) -> list[str]:
+    if torchport:
+        return [sys.executable, "-m", "torchport", "run", script, *args]
+    return [sys.executable, script, *args]
+
+
+def startup(rounds: int) -> dict:
+    """Wall time of a script that only imports torch, with and without torchport run."""
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as f:
+        f.write("import torch\n")
+    results: dict[str, list[float]] = {"python": [], "torchport run": []}
+    for _ in range(rounds):
+        for label, use in (("python", False), ("torchport run", True)):
+            t0 = time.perf_counter()
+            subprocess.run(_command(use, f.name), check=True, capture_output=True)
+            results[label].append(time.perf_counter() - t0)
+    os.unlink(f.name)
+    medians = {label: statistics.median(values) for label, values in results.items()}
+    return {"python_s": medians["python"], "torchport_run_s": medians["torchport run"],
+            "added_s": medians["torchport run"] - medians["python"], "rounds": rounds}
+
+
+def step_overhead(rounds: int, steps: int) -> dict | None:
+    """Median training-step time of run_overhead_step.py, plain vs under torchport run (CUDA only)."""
+    probe = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    if probe.stdout.strip() != "True":
+        return None
+    script = os.path.join(HERE, "run_overhead_step.py")
+    per: dict[str, list[float]] = {"python": [], "torchport run": []}
+    device = None
+    for _ in range(rounds):
+        for label, use in (("python", False), ("torchport run", True)):
+            out = subprocess.run(_command(use, script, str(steps), "5"), check=True, capture_output=True, text=True)
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            per[label].append(row["median_ms"])
+            device = row["device"]
+    plain, shim = statistics.median(per["python"]), statistics.median(per["torchport run"])
+    return {"device": device, "python_ms": plain, "torchport_run_ms": shim, "overhead": shim / plain - 1,
+            "rounds": rounds, "steps_per_round": steps, "per_round": per}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--json", default=os.path.join(HERE, "results", "run_overhead.json"))
+    args = parser.parse_args()
+    if shutil.which(sys.executable) is None:
+        raise SystemExit(f"python interpreter {sys.executable!r} not found")
+    result = {"startup": startup(args.rounds), "train_step": step_overhead(args.rounds, args.steps)}
+    s = result["startup"]
+    print("| measure | python | torchport run | difference |")
+    print("|---|---|---|---|")
+    print(f"| start-up (import torch script), s | {s['python_s']:.3f} | {s['torchport_run_s']:.3f} | "
+          f"{s['added_s']:+.3f} s |")
+    t = result["train_step"]
+    if t is None:
+        print("| train step | (no CUDA device: not measured) | | |")
+    else:
+        print(f"| train step on {t['device']}, ms | {t['python_ms']:.2f} | {t['torchport_run_ms']:.2f} | "
+              f"{100 * t['overhead']:+.2f}% |")
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,41 @@
+"""`torchrun --nproc-per-node 2 --no-python torchport run ...`: two ranks of a script that asks for "nccl" run on the
+CPU (gloo), all_reduce across both, and train as one process would."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+
+
+def _torchport_executable() -> str | None:
+    beside = Path(sys.executable).with_name("torchport")  # the console script of this interpreter's environment
+    return str(beside) if beside.exists() else shutil.which("torchport")
+
+
+def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python) -> None:
+    executable = _torchport_executable()
+    if executable is None:
+        pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
+    single = run_python(str(HERE / "corpus_cpu" / "ddp_nccl.py"), cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    # same model and data on both ranks: the averaged step equals the one-process step
+    fields = single.stdout.split()  # rank 0 world 1 loss L weight W allreduce 3.000000
+    loss, weight = fields[fields.index("loss") + 1], fields[fields.index("weight") + 1]
+
+    result = run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+        executable, "run", "--device", "cpu", str(HERE / "corpus" / "ddp_nccl.py"),
+        cwd=tmp_path, timeout=180,
+    )
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    # both ranks write to one pipe: their lines can interleave, so find the records rather than split lines
+    ranks = sorted(re.findall(r"rank \d+ world \d+ loss \S+ weight \S+ allreduce [0-9.]+", result.stdout))
+    assert ranks == [f"rank {rank} world 2 loss {loss} weight {weight} allreduce 9.000000" for rank in (0, 1)], (
+        result.stdout + result.stderr
+    )
