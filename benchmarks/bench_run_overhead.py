@@ -108,11 +108,12 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--json", default=os.path.join(HERE, "results", "run_overhead.json"))
+    parser.add_argument("--no-train", action="store_true", help="measure start-up only")
     args = parser.parse_args()
     if shutil.which(sys.executable) is None:
         raise SystemExit(f"python interpreter {sys.executable!r} not found")
     result = {"startup": startup(args.rounds), "in_process": in_process(args.rounds),
-              "train_step": step_overhead(args.rounds, args.steps)}
+              "train_step": None if args.no_train else step_overhead(args.rounds, args.steps)}
     s, p = result["startup"], result["in_process"]
     print("| measure | python | torchport run | difference |")
     print("|---|---|---|---|")
@@ -122,7 +123,7 @@ def main() -> None:
           f"(patching for the CPU: {p['import_s'] + p['patch_cpu_s']:.3f}) | |")
     t = result["train_step"]
     if t is None:
-        print("| train step | (no CUDA device: not measured) | | |")
+        print("| train step | (not measured: no CUDA device, or --no-train) | | |")
     else:
         print(f"| train step on {t['device']}, ms (median of {t['rounds']} processes) | {t['python_ms']:.2f} | "
               f"{t['torchport_run_ms']:.2f} | {100 * t['overhead']:+.2f}% (python alone spreads "

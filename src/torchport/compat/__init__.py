@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from .._settings import parse_device_spec
 from ..device import DeviceLike, resolve
 from .redirect import Patcher, Target
 from .report import Recorder
@@ -44,13 +45,18 @@ def patch(target: DeviceLike = None) -> torch.device:
         device(type='cpu')
     """
     backend, index = resolve(target, source="target")
+    if isinstance(target, str):
+        explicit = parse_device_spec(target, "target")[1] is not None
+    else:
+        explicit = isinstance(target, torch.device) and target.index is not None
     with _lock:
         current = _state.get("target")
         if current is not None:
             if current.type == backend.name:
                 return current.device(index)
             unpatch()
-        backend.set_index(index)
+        if explicit:  # selecting a device creates its context (0.3 s on an H100): only when one was named
+            backend.set_index(index)
         chosen = Target(backend, Recorder())
         patcher = Patcher()
         _state.update(target=chosen, patcher=patcher, guard=None)
