@@ -92,6 +92,12 @@ def test_libraries_get_the_real_answers(shim: torch.device) -> None:
     user = {"__name__": "__main__", "torch": torch}
     exec("answer = torch.cuda.is_available()", user)  # noqa: S102
     assert user["answer"] is True
+    # torch's lazy seeding asks is_initialized(): told "yes" on a GPU machine, it indexed CUDA generators that
+    # do not exist yet (seen on an H100)
+    library = {"__name__": "torch.cuda.random", "torch": torch}
+    exec("answer = torch.cuda.is_initialized()", library)  # noqa: S102
+    assert library["answer"] == torch.cuda.is_initialized.__wrapped__()  # type: ignore[attr-defined]
+    torch.manual_seed(0)
 
 
 def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:

@@ -6,7 +6,7 @@ import pytest
 
 from torchport.migrate import get_rule, list_rules, migrate_source, register_rule
 
-HEADER = 'DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")'
+HEADER = 'DEVICE = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")'
 
 # (rule id, before, after): each `before` follows "import torch" (and the imports it names itself); `after` is the
 # code after the imports and the DEVICE definition.

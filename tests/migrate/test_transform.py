@@ -6,7 +6,7 @@ import pytest
 
 from torchport.migrate import migrate_source
 
-HEADER = 'DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")'
+HEADER = 'DEVICE = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")'
 
 
 def test_one_definition_after_the_imports_reused_by_every_site_and_kept_on_a_second_run() -> None:
@@ -25,7 +25,7 @@ def test_no_definition_when_no_site_needs_the_device() -> None:
 
 def test_torch_alias_is_used_and_a_missing_torch_import_is_added() -> None:
     code = migrate_source("import torch as th\nx = t.cuda()\nth.cuda.synchronize()\n").code
-    assert 'DEVICE = th.accelerator.current_accelerator() or th.device("cpu")' in code
+    assert 'DEVICE = th.accelerator.current_accelerator(check_available=True) or th.device("cpu")' in code
     assert "th.get_device_module(DEVICE).synchronize()" in code
     code = migrate_source("import numpy as np\nx = t.cuda()\n").code
     assert code.startswith(f"import numpy as np\nimport torch\n\n{HEADER}\n")
@@ -33,7 +33,7 @@ def test_torch_alias_is_used_and_a_missing_torch_import_is_added() -> None:
 
 def test_a_taken_name_is_not_reused() -> None:
     code = migrate_source('import torch\nDEVICE = "cuda"\nx = t.cuda()\n').code
-    assert 'DEFAULT_DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")' in code
+    assert 'DEFAULT_DEVICE = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")' in code
     assert "DEVICE = DEFAULT_DEVICE.type\nx = t.to(DEFAULT_DEVICE)" in code
     assert migrate_source(code).code == code
 

@@ -142,8 +142,9 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
     redirect("get_device_name", lambda device=None: backend.device_name(target.index(device)))
     redirect("is_bf16_supported",
              lambda *a, **k: backend.dtype_works(torch.bfloat16, backend.current_index()))
-    redirect("is_initialized", lambda: True)
-    redirect("init", lambda: None)
+    # torch's lazy CUDA calls (seeding) consult is_initialized: only the program is told the target is ready
+    for_user("is_initialized", lambda: True)
+    for_user("init", lambda: None)
 
     def get_device_properties(device: Any = None) -> Any:
         index = target.index(device)

@@ -10,7 +10,7 @@ Example:
     >>> print(result.code)
     import torch
     <BLANKLINE>
-    DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")
+    DEVICE = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")
     x = torch.ones(2).to(DEVICE)
     <BLANKLINE>
     >>> [change.rule for change in result.changes]

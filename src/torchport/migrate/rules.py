@@ -3,7 +3,7 @@
 Every rule returns plain PyTorch that does on CUDA what the original did, and also runs on any other accelerator
 (through ``torch.accelerator`` and ``torch.get_device_module``) and on a CPU-only machine. ``DEVICE`` below is the
 one definition the transformer puts after the imports of a module that needs it:
-``DEVICE = torch.accelerator.current_accelerator() or torch.device("cpu")``. "The CUDA module" is ``torch.`` +
+``DEVICE = torch.accelerator.current_accelerator(check_available=True) or torch.device("cpu")``. "The CUDA module" is ``torch.`` +
 ``cuda``; golden before/after pairs for every rule are in ``tests/migrate/test_rules.py``.
 """
 

@@ -20,8 +20,12 @@ from .registry import SOURCE, SOURCE_DEVICE, rules_for
 __all__ = ["SOURCE", "Change", "Unconverted", "Context", "MigrationTransformer"]
 
 DEVICE_NAMES = ("DEVICE", "DEFAULT_DEVICE", "TORCH_DEVICE", "MIGRATED_DEVICE")
-DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator() or {torch}.device("cpu")'
-_DEFINITION_RE = re.compile(r"^(\w+) = (\w+)\.accelerator\.current_accelerator\(\) or \2\.device\([\"']cpu[\"']\)$")
+DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_available=True) or {torch}.device("cpu")'
+# check_available=True: on a CUDA build with no GPU visible, current_accelerator() alone still answers "cuda".
+# The bare form (written by earlier versions) is recognised too, so re-running stays idempotent.
+_DEFINITION_RE = re.compile(
+    r"^(\w+) = (\w+)\.accelerator\.current_accelerator\((?:check_available=True)?\) or \2\.device\([\"']cpu[\"']\)$"
+)
 
 #: keyword arguments that name a device in any call
 DEVICE_KEYWORDS = frozenset({"device", "device_type", "map_location", "device_map"})
