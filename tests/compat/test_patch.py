@@ -111,6 +111,17 @@ def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:
     assert torch.amp.GradScaler("cuda").is_enabled() == fp16
     assert torch.cuda.amp.GradScaler().is_enabled() == fp16
 
+    class MyScaler(torch.cuda.amp.GradScaler):  # code that subclasses CUDA's classes keeps working
+        pass
+
+    assert isinstance(MyScaler(), torch.amp.GradScaler) and MyScaler().is_enabled() == fp16
+    with torch.cuda.amp.autocast() as ctx:
+        assert isinstance(ctx, torch.amp.autocast)
+        assert torch.get_autocast_dtype(shim.type) == backend.autocast_dtype(torch.float16, 0)
+    counts = {row["api"]: row["count"] for row in compat.report()["redirected"]}
+    assert counts["torch.cuda.amp.GradScaler"] == 3 and "torch.amp.GradScaler" in counts
+    assert counts["torch.cuda.amp.autocast"] == 1 and "torch.autocast" not in counts
+
 
 def test_cuda_only_imports_fail_with_a_hint(shim: torch.device) -> None:
     with pytest.raises(ImportError, match="flash_attn is CUDA-only and cannot run on .*scaled_dot_product_attention"):

@@ -11,7 +11,6 @@ from typing import Any, NamedTuple
 import torch
 
 from .redirect import Patcher, Target, called_by_user
-from .torch_api import scaler_enabled
 
 __all__ = ["HostEvent", "HostStream", "install", "make_event", "make_stream"]
 
@@ -204,17 +203,25 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
     redirect("stream", stream)
     redirect("device", device_context)
 
-    def amp_autocast(enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True) -> Any:
-        record("torch.cuda.amp.autocast")
-        dtype = backend.autocast_dtype(dtype, backend.current_index())
-        return torch.amp.autocast(target.type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
+    # Subclasses of the torch.amp classes that torch_api.install (run first) put in place: one mapping, and code
+    # that subclasses or isinstance-checks torch.cuda.amp's classes keeps working.
+    class CudaAutocast(torch.amp.autocast):
+        api = "torch.cuda.amp.autocast"
 
-    def amp_grad_scaler(*args: Any, enabled: bool = True, **kwargs: Any) -> Any:
-        record("torch.cuda.amp.GradScaler")
-        return torch.amp.GradScaler(target.type, *args, enabled=enabled and scaler_enabled(target), **kwargs)
+        def __init__(self, enabled: bool = True, dtype: torch.dtype = torch.float16, cache_enabled: bool = True):
+            super().__init__("cuda", dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
 
-    patcher.set(cuda.amp, "autocast", amp_autocast)
-    patcher.set(cuda.amp, "GradScaler", amp_grad_scaler)
+    class CudaGradScaler(torch.amp.GradScaler):
+        api = "torch.cuda.amp.GradScaler"
+
+        def __init__(self, init_scale: float = 2.0**16, growth_factor: float = 2.0, backoff_factor: float = 0.5,
+                     growth_interval: int = 2000, enabled: bool = True) -> None:
+            super().__init__("cuda", init_scale=init_scale, growth_factor=growth_factor,
+                             backoff_factor=backoff_factor, growth_interval=growth_interval, enabled=enabled)
+
+    for name, cls in (("autocast", CudaAutocast), ("GradScaler", CudaGradScaler)):
+        cls.__name__ = cls.__qualname__ = name
+        patcher.set(cuda.amp, name, cls)
 
     # NVTX ranges are annotations for NVIDIA's profilers: on other targets they mean nothing.
     @contextlib.contextmanager

@@ -99,10 +99,12 @@ def _autocast_class(target: Target, original: type) -> type:
     class autocast(original):  # noqa: N801 - torch's name
         """torch.autocast, with device_type "cuda" mapped onto the target and its dtype chosen for it."""
 
+        api = "torch.autocast"  # the name the report counts; torch.cuda.amp.autocast subclasses this class
+
         def __init__(self, device_type: str, dtype: torch.dtype | None = None, enabled: bool = True,
                      cache_enabled: bool | None = None) -> None:
             if device_type == "cuda":
-                target.recorder.record("torch.autocast")
+                target.recorder.record(self.api)
                 device_type = target.type
                 dtype = target.backend.autocast_dtype(dtype, target.backend.current_index())
             super().__init__(device_type, dtype=dtype, enabled=enabled, cache_enabled=cache_enabled)
@@ -121,9 +123,11 @@ def _grad_scaler_class(target: Target, original: type) -> type:
     class GradScaler(original):
         """torch.amp.GradScaler, with "cuda" mapped onto the target (disabled where autocast uses bf16)."""
 
+        api = "torch.amp.GradScaler"  # the name the report counts; torch.cuda.amp.GradScaler subclasses this class
+
         def __init__(self, device: str = "cuda", *args: Any, enabled: bool = True, **kwargs: Any) -> None:
             if device == "cuda":
-                target.recorder.record("torch.amp.GradScaler")
+                target.recorder.record(self.api)
                 device = target.type
                 enabled = enabled and scaler_enabled(target)
             super().__init__(device, *args, enabled=enabled, **kwargs)
