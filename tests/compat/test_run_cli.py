@@ -53,6 +53,14 @@ def test_unknown_device_is_a_usage_error_listing_devices(tmp_path: Path, torchpo
     assert "Traceback" not in result.stderr
 
 
+def test_invalid_report_setting_is_a_usage_error(tmp_path: Path, torchport_run) -> None:
+    write(tmp_path / "ran.py", 'print("the script ran")\n')
+    result = torchport_run("ran.py", cwd=tmp_path, env={"TORCHPORT_REPORT": "maybe"})
+    assert result.returncode == 2, describe(result)
+    assert "TORCHPORT_REPORT='maybe'" in result.stderr and "valid values" in result.stderr
+    assert "Traceback" not in result.stderr and "the script ran" not in result.stdout
+
+
 # -- the script's own exit ---------------------------------------------------------------------------------------------
 def test_exception_passes_through_with_a_traceback_into_the_script(tmp_path: Path, torchport_run) -> None:
     script = write(tmp_path / "boom.py", """

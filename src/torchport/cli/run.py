@@ -36,6 +36,7 @@ def handle(args: argparse.Namespace) -> int:
         if not os.path.isfile(script):
             raise argparse.ArgumentError(None, f"script {script!r} does not exist (looked in {os.getcwd()})")
     try:
+        report = args.report or _settings.value("report")
         resolve(args.device, source="--device")
         device = compat.patch(args.device)
     except (ValueError, RuntimeError) as exc:
@@ -43,7 +44,6 @@ def handle(args: argparse.Namespace) -> int:
     # Child processes (DataLoader workers, torch.multiprocessing, subprocess) get the same shim at start-up.
     os.environ["TORCHPORT_SHIM"] = str(device)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHILD_HOOK, os.environ.get("PYTHONPATH")]))
-    report = args.report or _settings.value("report")
     try:
         return run_program(args.module, args.program)
     finally:
