@@ -33,6 +33,22 @@ __all__ = [
     "synchronize",
 ]
 
+# Subpackages that pull in more than torch are imported on first use: ``torchport.kernels.rms_norm(...)`` works
+# after a bare ``import torchport`` without making that import slower.
+_LAZY_SUBPACKAGES = frozenset({"bench", "kernels", "offload", "verify"})
+
+
+def __getattr__(name: str):
+    if name in _LAZY_SUBPACKAGES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'torchport' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY_SUBPACKAGES)
+
 def _start_simulation() -> None:
     try:
         wanted, count = settings.value("simulate"), settings.value("simulate_devices")

@@ -15,6 +15,7 @@ import os
 import threading
 import time
 import types
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import torch
@@ -176,6 +177,12 @@ class Backend:
 
     def current_stream(self, index: int) -> Any | None:
         return self.module().current_stream(index)
+
+    # -- vendor operators ------------------------------------------------------------------------------------------
+    def fused_op(self, name: str) -> Callable[..., Any] | None:
+        """The vendor's fused operator ``name`` (for example ``"npu_rms_norm"``), or None when this device's
+        software stack lacks it. Kernel implementations ask for it by the vendor's own name and contract."""
+        return None
 
     # -- dtypes --------------------------------------------------------------------------------------------------
     def claims_dtype(self, dtype: torch.dtype, index: int) -> bool:

@@ -9,6 +9,8 @@ import logging
 import os
 import sys
 import types
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -76,6 +78,13 @@ class NpuBackend(Backend):
         if not hasattr(torch, "npu") and importlib.util.find_spec("torch_npu") is None:
             return "torch_npu is not installed (pip install torch-npu matching your torch version, with CANN)"
         return super().unavailable_reason()
+
+    def fused_op(self, name: str) -> Callable[..., Any] | None:
+        # torch_npu exposes its fused operators as module functions (torch_npu.npu_rms_norm, npu_rotary_mul...);
+        # which ones exist depends on the torch_npu and CANN release.
+        if not self.is_available():
+            return None
+        return getattr(importlib.import_module("torch_npu"), name, None)
 
     def versions(self) -> dict[str, str | None]:
         torch_npu = sys.modules.get("torch_npu")
