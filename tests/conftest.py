@@ -9,6 +9,8 @@ machine with no other accelerator; ``scripts/test.sh`` runs a second pass, ``--d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,6 +20,31 @@ from torchport.testing import simulate_npu
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 _ACCELERATORS = ("cuda", "xpu", "mps")
 _selected: list[str] = []
+
+# Without a GPU, Triton kernels run on CPU tensors under Triton's interpreter, so CI tests the kernel code itself.
+# The variable must be set before the first kernel is decorated, i.e. before torchport.kernels.triton is imported.
+if not get_backend("cuda").is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def _fix_triton_interpreter() -> None:
+    """Triton 3.6's interpreter turns a scalar into ``int`` with ``int(array)``, which NumPy >= 2.4 refuses for the
+    one-element arrays it uses (loops with a run-time bound then fail); Triton 3.8 squeezes first. Same fix here."""
+    try:
+        from triton.runtime import interpreter
+    except ImportError:
+        return
+    original = interpreter._patch_lang_tensor
+
+    def patch(tensor, scope) -> None:  # noqa: ANN001 - Triton's internal signature
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_triton_interpreter()
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

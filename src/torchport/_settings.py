@@ -22,6 +22,12 @@ Variables:
 ``TORCHPORT_PROBE``
     ``1`` (default) lets torchport probe reduced-precision dtypes by running small kernels; ``0`` trusts the
     vendor's claims instead (faster start, no kernel launched).
+``TORCHPORT_KERNELS``
+    Which implementation the kernels of :mod:`torchport.kernels` use: ``auto`` (default: the best one for the
+    tensor's device, falling back to the reference with a warning when it fails), or a forced one, ``reference``,
+    ``triton`` or ``npu`` (a forced implementation that cannot run raises). Per-op choices follow, comma-separated:
+    ``rms_norm=reference,rope=triton``; a bare mode among them sets the default for the other ops
+    (``triton,rope=reference``).
 """
 
 from __future__ import annotations
@@ -29,12 +35,14 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
+import functools
 import os
 import re
+import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["Settings", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["KERNEL_MODES", "Settings", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -51,6 +59,7 @@ class Settings:
     probe: bool = True
     shim: str | None = None
     report: bool = False
+    kernels: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"*": "auto"})
 
 
 # field name -> environment variable
@@ -61,9 +70,14 @@ VARIABLES: dict[str, str] = {
     "probe": "TORCHPORT_PROBE",
     "shim": "TORCHPORT_SHIM",
     "report": "TORCHPORT_REPORT",
+    "kernels": "TORCHPORT_KERNELS",
 }
 
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings)}
+KERNEL_MODES = ("auto", "reference", "triton", "npu")
+_OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings) if field.name != "kernels"}
+_DEFAULTS["kernels"] = types.MappingProxyType({"*": "auto"})
 _overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("torchport_overrides", default={})
 
 
@@ -112,7 +126,43 @@ def _validate(name: str, value: Any, source: str) -> Any:
         if text not in _BOOLEAN:
             raise ValueError(f"{source}={value!r} is not a boolean; valid values: {', '.join(_BOOLEAN)}")
         return _BOOLEAN[text]
+    if name == "kernels":
+        if isinstance(value, str):
+            return _parse_kernels_text(value, source)  # read on every kernel call: parse each text once
+        return types.MappingProxyType(_parse_kernels(value, source))
     raise AssertionError(name)
+
+
+@functools.lru_cache(maxsize=64)
+def _parse_kernels_text(value: str, source: str) -> Mapping[str, str]:
+    return types.MappingProxyType(_parse_kernels(value, source))
+
+
+def _parse_kernels(value: Any, source: str) -> dict[str, str]:
+    """``"triton,rope=reference"`` -> ``{"*": "triton", "rope": "reference"}`` (``"*"``: every other op)."""
+    if isinstance(value, Mapping):
+        items = [f"{op}={mode}" if op != "*" else str(mode) for op, mode in value.items()]
+    else:
+        items = [item.strip() for item in str(value).split(",")]
+    choice = {"*": "auto"}
+    default_seen = False
+    for item in items:
+        if not item:
+            continue
+        op, sep, mode = (part.strip().lower() for part in item.partition("="))
+        if not sep:
+            op, mode = "*", op
+            if default_seen:
+                raise ValueError(f"{source}={value!r} names more than one default mode; write one, then op=mode pairs")
+            default_seen = True
+        elif not _OP_NAME.match(op):
+            raise ValueError(f"{source}={value!r}: {op!r} is not an op name; write op=mode, e.g. rms_norm=reference")
+        elif op in choice:
+            raise ValueError(f"{source}={value!r} sets {op!r} twice")
+        if mode not in KERNEL_MODES:
+            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: {', '.join(KERNEL_MODES)}")
+        choice[op] = mode
+    return choice
 
 
 def value(name: str) -> Any:

@@ -412,3 +412,8 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
 
             def new_generator(self, index: int) -> torch.Generator:
                 return torch.Generator()
+
+            def fused_op(self, name: str) -> Any:
+                from . import npu_fused_ops
+
+                return npu_fused_ops.lookup(name)

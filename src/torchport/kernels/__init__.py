@@ -1,0 +1,48 @@
+"""Fused kernels with one API on every device: the implementation is chosen by the input tensor's device.
+
+================  =====================================================  ===========================
+op                computes                                               modules
+================  =====================================================  ===========================
+``rms_norm``      ``x / rms(x) * (offset + weight)``                     :class:`RMSNorm`
+``layer_norm``    ``(x - mean) / std * weight + bias``                   :class:`LayerNorm`
+``rope``          Hugging Face ``apply_rotary_pos_emb`` on q and k       :class:`RoPE`
+``swiglu``        ``silu(gate) * up``                                    :class:`SwiGLU`
+``geglu``         ``gelu_tanh(gate) * up``                               :class:`GeGLU`
+================  =====================================================  ===========================
+
+Each op has a plain-PyTorch ``reference`` (every device, and the fallback), a ``triton`` kernel for CUDA/ROCm, and
+an ``npu`` implementation through torch_npu's fused operators where Ascend has one. ``TORCHPORT_KERNELS`` forces a
+choice (see :mod:`torchport.kernels.registry`); :func:`table` shows what each op uses on this machine.
+
+Example:
+    >>> import torchport
+    >>> y = torchport.kernels.rms_norm(x, weight)
+    >>> torchport.kernels.table()[0]
+    {'op': 'geglu', 'device': 'cpu', 'implementation': 'reference', ...}
+"""
+
+from __future__ import annotations
+
+from .glu import GeGLU, SwiGLU, geglu, swiglu
+from .layer_norm import LayerNorm, layer_norm
+from .registry import KernelError, Unsupported, list_kernels, register_kernel, table
+from .rms_norm import RMSNorm, rms_norm
+from .rope import RoPE, rope
+
+__all__ = [
+    "GeGLU",
+    "KernelError",
+    "LayerNorm",
+    "RMSNorm",
+    "RoPE",
+    "SwiGLU",
+    "Unsupported",
+    "geglu",
+    "layer_norm",
+    "list_kernels",
+    "register_kernel",
+    "rms_norm",
+    "rope",
+    "swiglu",
+    "table",
+]

@@ -1,0 +1,111 @@
+"""Gated activations of LLM MLPs: ``swiglu(gate, up) = silu(gate) * up`` and ``geglu(gate, up) = gelu_tanh(gate) * up``.
+
+Implementations: ``triton`` on CUDA/ROCm (one fused kernel each way; :mod:`torchport.kernels.triton.glu` counts
+the bytes), ``npu`` for SwiGLU through ``torch_npu.npu_swiglu`` on Ascend, and the ``reference`` below.
+
+Example:
+    >>> h = torchport.kernels.swiglu(gate_proj(x), up_proj(x))
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from . import registry
+from .checks import check_floating, check_same_device, check_same_dtype, widen
+
+__all__ = ["GeGLU", "SwiGLU", "geglu", "swiglu"]
+
+
+@registry.register_kernel("swiglu", "reference")
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``silu(gate) * up``, computed in float32 and rounded once."""
+    return (F.silu(widen(gate)) * widen(up)).to(gate.dtype)
+
+
+@registry.register_kernel("geglu", "reference")
+def geglu_reference(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up``, computed in float32 and rounded once."""
+    return (F.gelu(widen(gate), approximate="tanh") * widen(up)).to(gate.dtype)
+
+
+@registry.register_kernel("swiglu", "triton", devices=["cuda"], priority=20)
+def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    from .triton import glu
+
+    return glu.glu(gate, up, False, in_place, swiglu_reference)
+
+
+@registry.register_kernel("geglu", "triton", devices=["cuda"], priority=20)
+def _geglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    from .triton import glu
+
+    return glu.glu(gate, up, True, in_place, geglu_reference)
+
+
+@registry.register_kernel("swiglu", "npu", devices=["npu"], priority=10,
+                          requires=registry.fused_op_reason("npu_swiglu"))
+def _swiglu_npu(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    # torch_npu.npu_swiglu(x, dim) = silu(first half of x along dim) * second half
+    return registry.fused_op("npu_swiglu", gate.device)(torch.cat([gate, up], dim=-1), dim=-1)
+
+
+def _check(op: str, gate: torch.Tensor, up: torch.Tensor) -> None:
+    check_floating(op, gate=gate, up=up)
+    check_same_device(op, gate=gate, up=up)
+    check_same_dtype(op, gate=gate, up=up)
+    if gate.shape != up.shape:
+        raise ValueError(f"{op}: gate and up must have the same shape, got {list(gate.shape)} and {list(up.shape)}")
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """``silu(gate) * up`` (Llama, Mistral, Qwen MLPs).
+
+    Args:
+        gate, up: tensors of one shape and dtype (float32, bfloat16 or float16), any strides.
+        in_place: let the backward write the gradients over ``gate`` and ``up`` (saving two activations of
+            memory). Only for intermediates used by nothing else, such as the outputs of an MLP's gate and up
+            projections; an autograd node that saved ``gate`` or ``up`` then fails loudly instead of reading
+            overwritten values.
+
+    Example:
+        >>> h = swiglu(torch.randn(4, 11008), torch.randn(4, 11008))
+    """
+    _check("swiglu", gate, up)
+    return registry.call("swiglu", gate.device, gate, up, bool(in_place))
+
+
+def geglu(gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
+    """``gelu(gate, approximate="tanh") * up`` (Gemma MLPs); arguments as for :func:`swiglu`.
+
+    Example:
+        >>> h = geglu(torch.randn(4, 16384), torch.randn(4, 16384))
+    """
+    _check("geglu", gate, up)
+    return registry.call("geglu", gate.device, gate, up, bool(in_place))
+
+
+class _GatedActivation(nn.Module):
+    def __init__(self, *, in_place: bool = False) -> None:
+        super().__init__()
+        self.in_place = in_place
+
+    def forward(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return self.function(gate, up, in_place=self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"in_place={self.in_place}"
+
+
+class SwiGLU(_GatedActivation):
+    """``nn.Module`` form of :func:`swiglu`: ``forward(gate, up)``."""
+
+    function = staticmethod(swiglu)
+
+
+class GeGLU(_GatedActivation):
+    """``nn.Module`` form of :func:`geglu`: ``forward(gate, up)``."""
+
+    function = staticmethod(geglu)

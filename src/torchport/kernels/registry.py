@@ -1,0 +1,354 @@
+"""Op name -> implementations; the implementation for a call is chosen by the device of its input tensors.
+
+Every op has a ``reference`` implementation in plain PyTorch that runs on every device and is the fallback. Faster
+ones declare the device types they serve and a priority; ``TORCHPORT_KERNELS`` (or
+``torchport.settings.override(kernels=...)``) picks between them:
+
+* ``auto`` (default): the highest-priority implementation serving the device. If it cannot run (its library is
+  missing, the dtype or shape is unsupported, it fails to compile), torchport warns once for that cause and uses the
+  reference, and stops trying an implementation that failed to load or compile on that device type.
+* ``reference`` / ``triton`` / ``npu``, globally or per op (``rms_norm=reference,rope=triton``): the named
+  implementation or an error that says why it cannot run. Nothing falls back silently.
+
+Example:
+    >>> from torchport.kernels import registry
+    >>> registry.select("rms_norm", torch.device("cpu")).name
+    'reference'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+
+from .. import _settings
+from ..backends import get_backend
+
+__all__ = [
+    "Implementation",
+    "KernelError",
+    "Unsupported",
+    "call",
+    "fused_op",
+    "implementation",
+    "list_kernels",
+    "register_kernel",
+    "select",
+]
+
+logger = logging.getLogger("torchport")
+
+# Modules that register the built-in ops, imported when the registry is first asked about ops.
+_BUILTIN_MODULES = ("rms_norm", "layer_norm", "rope", "glu")
+
+
+class Unsupported(RuntimeError):
+    """Raised by an implementation that cannot handle these arguments or this device (the message says why)."""
+
+
+class KernelError(RuntimeError):
+    """A forced implementation could not run; the message names the op, the implementation and the reason."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Implementation:
+    """One way to compute an op.
+
+    Attributes:
+        op: the op's name (``"rms_norm"``).
+        name: the implementation's name (``"reference"``, ``"triton"``, ``"npu"``).
+        fn: the function; it takes the op's arguments and raises :class:`Unsupported` for arguments it cannot handle.
+        devices: the device types it serves, or None for every device.
+        priority: the highest-priority implementation serving a device is chosen in auto mode.
+        requires: returns why the implementation cannot run on a device (a library or vendor operator is
+            missing), or None when it can; checked once per device type.
+    """
+
+    op: str
+    name: str
+    fn: Callable[..., Any]
+    devices: frozenset[str] | None
+    priority: int
+    requires: Callable[[torch.device], str | None] | None = None
+
+    def serves(self, device_type: str) -> bool:
+        return self.devices is None or device_type in self.devices
+
+    def unavailable_reason(self, device: torch.device) -> str | None:
+        return None if self.requires is None else self.requires(device)
+
+
+_ops: dict[str, dict[str, Implementation]] = {}
+_lock = threading.RLock()
+_loaded = False
+_broken: dict[tuple[str, str, str], str] = {}  # (op, implementation, device type) -> why it failed to load/compile
+_warned: set[tuple[str, str, str]] = set()
+_availability: dict[tuple[str, str, str], str | None] = {}
+
+
+def register_kernel(
+    op: str, name: str, *, devices: Iterable[str] | None = None, priority: int = 0,
+    requires: Callable[[torch.device], str | None] | None = None,
+) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn`` as implementation ``name`` of ``op`` for the given device types (None: every device).
+
+    A second registration of the same op and name is refused. Every op must have a ``reference``.
+
+    Example:
+        >>> @register_kernel("rms_norm", "mylib", devices=["cuda"], priority=20)
+        ... def rms_norm_mylib(x, weight, eps, offset, in_place): ...
+    """
+    if name == "reference" and devices is not None:
+        raise ValueError(f"the reference implementation of {op!r} must serve every device (devices=None)")
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        with _lock:
+            impls = _ops.setdefault(op, {})
+            if name in impls:
+                raise ValueError(
+                    f"kernel {op!r} already has an implementation named {name!r} ({impls[name].fn.__module__}); "
+                    f"registered: {', '.join(impls)}"
+                )
+            impls[name] = Implementation(op, name, fn, None if devices is None else frozenset(devices), priority, requires)
+            _availability.clear()
+        return fn
+
+    return decorate
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if not _loaded:
+            for module in _BUILTIN_MODULES:
+                importlib.import_module(f"{__package__}.{module}")
+            _loaded = True
+
+
+def list_kernels() -> dict[str, list[str]]:
+    """Every registered op with the names of its implementations, by descending priority.
+
+    Example:
+        >>> list_kernels()["rms_norm"]
+        ['triton', 'npu', 'reference']
+    """
+    _ensure_loaded()
+    return {op: [impl.name for impl in sorted(impls.values(), key=lambda i: -i.priority)] for op, impls in _ops.items()}
+
+
+def implementation(op: str, name: str) -> Implementation:
+    """The implementation ``name`` of ``op`` (tests call its ``fn`` directly, e.g. Triton under its interpreter)."""
+    impls = _implementations(op)
+    if name not in impls:
+        raise ValueError(f"kernel {op!r} has no implementation {name!r}; it has: {', '.join(impls)}")
+    return impls[name]
+
+
+def _implementations(op: str) -> dict[str, Implementation]:
+    _ensure_loaded()
+    if op not in _ops:
+        raise ValueError(f"unknown kernel {op!r}; registered: {', '.join(sorted(_ops))}")
+    return _ops[op]
+
+
+def _mode(op: str) -> tuple[str, bool]:
+    """The mode for ``op`` and whether the user forced it (rather than leaving it to ``auto``)."""
+    choice = _settings.value("kernels")
+    if len(choice) > 1:
+        unknown = sorted(set(choice) - {"*"} - set(_ops))
+        if unknown:
+            raise ValueError(
+                f"TORCHPORT_KERNELS names unknown kernel(s) {', '.join(unknown)}; registered: {', '.join(sorted(_ops))}"
+            )
+    mode = choice.get(op, choice["*"])
+    return mode, mode != "auto"
+
+
+def _available(impl: Implementation, device: torch.device) -> str | None:
+    key = (impl.op, impl.name, device.type)
+    if key in _broken:
+        return _broken[key]
+    if key not in _availability:
+        try:
+            _availability[key] = impl.unavailable_reason(device)
+        except Exception as exc:  # a probe that fails is a reason, not a crash
+            _availability[key] = f"{type(exc).__name__}: {exc}"
+    return _availability[key]
+
+
+def select(op: str, device: torch.device) -> Implementation:
+    """The implementation that a call of ``op`` on ``device`` would use now (before argument checks).
+
+    In auto mode an implementation whose library or vendor operator is missing is skipped (and the reason is
+    logged once); in a forced mode such an implementation raises :class:`KernelError`.
+    """
+    impls = _implementations(op)
+    mode, forced = _mode(op)
+    if forced:
+        impl = impls.get(mode)
+        if impl is None:
+            raise KernelError(
+                f"TORCHPORT_KERNELS asks for {mode!r} for {op!r}, which has no such implementation; "
+                f"it has: {_describe(impls.values())}"
+            )
+        if not impl.serves(device.type):
+            raise KernelError(
+                f"TORCHPORT_KERNELS asks for {mode!r} for {op!r}, which does not run on {device.type} tensors; "
+                f"implementations: {_describe(impls.values())}"
+            )
+        reason = _available(impl, device)
+        if reason is not None:
+            raise KernelError(f"{op}: the forced implementation {mode!r} cannot run on {device.type}: {reason}")
+        return impl
+    for impl in sorted(impls.values(), key=lambda i: -i.priority):
+        if not impl.serves(device.type):
+            continue
+        reason = _available(impl, device)
+        if reason is None:
+            return impl
+        _warn_once(op, impl.name, device.type, reason)
+    return impls["reference"]
+
+
+def _describe(impls: Iterable[Implementation]) -> str:
+    return ", ".join(
+        f"{impl.name} ({'every device' if impl.devices is None else ', '.join(sorted(impl.devices))})" for impl in impls
+    )
+
+
+def _warn_once(op: str, name: str, device_type: str, reason: str) -> None:
+    key = (op, name, reason)
+    if key in _warned:
+        return
+    _warned.add(key)
+    message = f"torchport.kernels.{op}: {name} cannot run on {device_type} ({reason}); using the reference instead"
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=4)
+
+
+def _is_load_failure(exc: BaseException) -> bool:
+    """Errors that will repeat on every call: a missing module or a kernel that does not compile."""
+    if isinstance(exc, ImportError):
+        return True
+    names = {cls.__name__ for cls in type(exc).__mro__}
+    return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
+
+
+def call(op: str, device: torch.device, *args: Any) -> Any:
+    """Run ``op`` with the implementation chosen for ``device``; in auto mode, fall back to the reference.
+
+    Arguments must already be validated by the op's public function: an implementation's failure is then the
+    implementation's, never the caller's. Out-of-memory errors are raised, not retried with the reference (which
+    needs more memory).
+    """
+    impl = select(op, device)
+    if impl.name == "reference":
+        return impl.fn(*args)
+    try:
+        return impl.fn(*args)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}".strip()
+        if _mode(op)[1]:
+            raise KernelError(f"{op}: the forced implementation {impl.name!r} failed on {device}: {reason}") from exc
+        if not isinstance(exc, Unsupported):
+            if not _is_load_failure(exc):
+                # A kernel that loaded but raised is a bug in it: say so loudly, keep the answer right.
+                logger.error("torchport.kernels.%s: %s raised %s", op, impl.name, reason, exc_info=exc)
+            _broken[(op, impl.name, device.type)] = reason
+        _warn_once(op, impl.name, device.type, reason)
+        return _ops[op]["reference"].fn(*args)
+
+
+def backward_fallback(
+    op: str, name: str, exc: Exception, reference: Callable[..., Any], inputs: Sequence[Any], grads: Sequence[Any],
+) -> tuple[Any, ...]:
+    """Gradients of ``reference(*inputs)`` for a fast backward that failed (auto mode); forced mode re-raises.
+
+    Used by the autograd Functions of fast implementations: their forward ran, so the fallback recomputes the
+    reference forward from the saved inputs and differentiates it. Returns one gradient per input (None where the
+    input is not a floating tensor that needs one).
+    """
+    if _mode(op)[1] or isinstance(exc, torch.OutOfMemoryError):
+        raise exc
+    _warn_once(op, name, "backward", f"{type(exc).__name__}: {exc}")
+    tensors = [t.detach().requires_grad_(needs) if isinstance(t, torch.Tensor) else t
+               for t, needs in zip(inputs, _needs_grad(inputs))]
+    with torch.enable_grad():
+        outputs = reference(*tensors)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        pairs = [(o, g) for o, g in zip(outputs, grads) if g is not None and o.requires_grad]
+        wanted = [t for t in tensors if isinstance(t, torch.Tensor) and t.requires_grad]
+        found = torch.autograd.grad([o for o, _ in pairs], wanted, [g for _, g in pairs], allow_unused=True)
+    result = iter(found)
+    return tuple(next(result) if isinstance(t, torch.Tensor) and t.requires_grad else None for t in tensors)
+
+
+def _needs_grad(inputs: Sequence[Any]) -> list[bool]:
+    return [isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs]
+
+
+def fused_op(name: str, device: torch.device) -> Callable[..., Any]:
+    """The vendor fused operator ``name`` on ``device``'s backend, or :class:`Unsupported` naming what is missing."""
+    op = get_backend(device.type).fused_op(name)
+    if op is None:
+        raise Unsupported(f"the {device.type} software stack has no fused operator {name}")
+    return op
+
+
+def fused_op_reason(name: str) -> Callable[[torch.device], str | None]:
+    """A ``requires`` check for :func:`register_kernel`: the device's backend must provide operator ``name``."""
+
+    def check(device: torch.device) -> str | None:
+        if get_backend(device.type).fused_op(name) is None:
+            return f"the {device.type} software stack has no fused operator {name}"
+        return None
+
+    return check
+
+
+def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]:
+    """One row per op and device: the implementation a call would use now, and why others are not used.
+
+    ``devices`` defaults to the CPU and the first device of every accelerator present.
+    """
+    _ensure_loaded()
+    if devices is None:
+        from ..device import devices as present
+
+        seen: dict[str, torch.device] = {}
+        for dev in [torch.device("cpu"), *present()]:
+            seen.setdefault(dev.type, dev)
+        devices = list(seen.values())
+    rows = []
+    for op in sorted(_ops):
+        impls = sorted(_ops[op].values(), key=lambda i: -i.priority)
+        for dev in devices:
+            notes = []
+            for impl in impls:
+                if impl.serves(dev.type) and impl.name != "reference":
+                    reason = _available(impl, dev)
+                    if reason is not None:
+                        notes.append(f"{impl.name}: {reason}")
+            try:
+                chosen = select(op, dev).name
+            except KernelError as exc:
+                chosen, notes = "error", [str(exc)]
+            rows.append({
+                "op": op,
+                "device": str(dev),
+                "implementation": chosen,
+                "candidates": [impl.name for impl in impls if impl.serves(dev.type)],
+                "notes": notes,
+            })
+    return rows

@@ -1,0 +1,99 @@
+"""RMSNorm: ``y = x / sqrt(mean(x²) + eps) * (offset + weight)``, computed in float32 and cast back to x's dtype.
+
+``offset=0`` is Llama's form (weights start at 1), ``offset=1`` Gemma's (weights start at 0). Implementations:
+``triton`` on CUDA/ROCm (see :mod:`torchport.kernels.triton.norm` for the bytes it moves), ``npu`` through
+``torch_npu.npu_rms_norm`` on Ascend, and the ``reference`` below everywhere else.
+
+Example:
+    >>> y = torchport.kernels.rms_norm(x, weight, eps=1e-6)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import registry
+from .checks import check_floating, check_same_device, widen
+
+__all__ = ["RMSNorm", "rms_norm"]
+
+
+@registry.register_kernel("rms_norm", "reference")
+def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                       in_place: bool = False) -> torch.Tensor:
+    """Plain PyTorch, as Hugging Face's Llama and Gemma norms compute it (float32 inside)."""
+    h = widen(x)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return (h * (widen(weight) + offset)).to(x.dtype)
+
+
+@registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20)
+def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                     in_place: bool = False) -> torch.Tensor:
+    from .triton import norm
+
+    return norm.rms_norm(x, weight, eps, offset, in_place, rms_norm_reference)
+
+
+@registry.register_kernel("rms_norm", "npu", devices=["npu"], priority=10,
+                          requires=registry.fused_op_reason("npu_rms_norm"))
+def _rms_norm_npu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
+                  in_place: bool = False) -> torch.Tensor:
+    # torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd); gamma must have x's dtype.
+    gamma = (weight + offset if offset else weight).to(x.dtype)
+    return registry.fused_op("npu_rms_norm", x.device)(x, gamma, epsilon=eps)[0]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *,
+             in_place: bool = False) -> torch.Tensor:
+    """Root-mean-square normalisation over the last dimension, scaled by ``offset + weight``.
+
+    Args:
+        x: activations ``[..., hidden]`` (float32, bfloat16 or float16; any leading dims, any strides).
+        weight: ``[hidden]``.
+        eps: added to the mean square before the square root.
+        offset: added to the weight (1.0 for Gemma).
+        in_place: let the backward write the input gradient over the incoming gradient, saving one activation's
+            memory. Only safe when nothing else uses that gradient: true after a linear layer's backward, false
+            when ``y`` feeds a residual addition directly (Gemma 2/3's post-norms), where it would corrupt the
+            other branch's gradient.
+
+    Returns:
+        ``y`` with x's shape and dtype.
+
+    Example:
+        >>> y = rms_norm(torch.randn(2, 5, 64), torch.ones(64))
+    """
+    check_floating("rms_norm", x=x, weight=weight)
+    check_same_device("rms_norm", x=x, weight=weight)
+    if x.dim() == 0 or weight.shape != (x.shape[-1],):
+        raise ValueError(
+            f"rms_norm: weight must have shape [hidden] = [{x.shape[-1] if x.dim() else '?'}] for x of shape "
+            f"{list(x.shape)}, got weight of shape {list(weight.shape)}"
+        )
+    return registry.call("rms_norm", x.device, x, weight, float(eps), float(offset), bool(in_place))
+
+
+class RMSNorm(nn.Module):
+    """``nn.Module`` form of :func:`rms_norm` with a learnable weight (ones, or zeros when ``offset`` is 1).
+
+    Example:
+        >>> norm = RMSNorm(4096, eps=1e-6)
+        >>> y = norm(x)
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, offset: float = 0.0, *, in_place: bool = False,
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        init = torch.zeros if offset else torch.ones
+        self.weight = nn.Parameter(init(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+        self.offset = offset
+        self.in_place = in_place
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, self.offset, in_place=self.in_place)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"

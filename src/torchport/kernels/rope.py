@@ -1,0 +1,102 @@
+"""Rotary position embedding with Hugging Face's ``apply_rotary_pos_emb`` contract (half-split rotation).
+
+``q [batch, heads, seq, head_dim]`` and ``k [batch, kv_heads, seq, head_dim]`` are rotated by ``cos``/``sin`` of
+shape ``[batch or 1, seq, head_dim]`` (or ``[seq, head_dim]``): ``x·cos + rotate_half(x)·sin``. Implementations:
+``triton`` on CUDA/ROCm (q and k in one launch), ``npu`` through ``torch_npu.npu_rotary_mul`` on Ascend, and the
+``reference`` below.
+
+Example:
+    >>> q, k = torchport.kernels.rope(q, k, cos, sin)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import registry
+from .checks import check_floating, check_same_device, check_same_dtype, widen
+
+__all__ = ["RoPE", "rope"]
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@registry.register_kernel("rope", "reference")
+def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                   sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``x·cos + rotate_half(x)·sin`` for q and k, in float32, rounded once to each input's dtype."""
+    c, s = widen(cos).unsqueeze(1), widen(sin).unsqueeze(1)
+    out = []
+    for x in (q, k):
+        h = widen(x)
+        out.append((h * c + _rotate_half(h) * s).to(x.dtype))
+    return out[0], out[1]
+
+
+@registry.register_kernel("rope", "triton", devices=["cuda"], priority=20)
+def _rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    from .triton import rope as kernel
+
+    return kernel.rope(q, k, cos, sin, rope_reference)
+
+
+@registry.register_kernel("rope", "npu", devices=["npu"], priority=10,
+                          requires=registry.fused_op_reason("npu_rotary_mul"))
+def _rope_npu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+              sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    # torch_npu.npu_rotary_mul(x, r1, r2) = x·r1 + rotate_half(x)·r2, r1/r2 broadcast to x ([B, 1, S, D] here)
+    rotary_mul = registry.fused_op("npu_rotary_mul", q.device)
+    c, s = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
+    return rotary_mul(q, c, s), rotary_mul(k, c, s)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+         sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Apply rotary position embeddings to ``q`` and ``k``; returns the rotated ``(q, k)``.
+
+    Args:
+        q: ``[batch, heads, seq, head_dim]`` (head_dim even), any strides.
+        k: ``[batch, kv_heads, seq, head_dim]``, q's dtype.
+        cos, sin: ``[batch or 1, seq, head_dim]`` or ``[seq, head_dim]``, as Hugging Face's rotary embeddings
+            return them (``cat(freqs, freqs)`` along the last dim).
+
+    Example:
+        >>> q, k = rope(torch.randn(1, 8, 16, 64), torch.randn(1, 2, 16, 64), cos, sin)
+    """
+    check_floating("rope", q=q, k=k, cos=cos, sin=sin)
+    check_same_device("rope", q=q, k=k, cos=cos, sin=sin)
+    check_same_dtype("rope", q=q, k=k)
+    if q.dim() != 4 or k.dim() != 4:
+        raise ValueError(
+            f"rope: q and k must be [batch, heads, seq, head_dim], got q {list(q.shape)} and k {list(k.shape)}"
+        )
+    batch, _, seq, dim = q.shape
+    if (k.shape[0], k.shape[2], k.shape[3]) != (batch, seq, dim):
+        raise ValueError(
+            f"rope: k {list(k.shape)} must match q {list(q.shape)} in batch, seq and head_dim (heads may differ)"
+        )
+    if dim % 2:
+        raise ValueError(f"rope: head_dim must be even to rotate halves, got {dim} (q {list(q.shape)})")
+    if cos.shape != sin.shape:
+        raise ValueError(f"rope: cos and sin must have one shape, got {list(cos.shape)} and {list(sin.shape)}")
+    if cos.dim() == 2:
+        cos, sin = cos.unsqueeze(0), sin.unsqueeze(0)
+    if cos.dim() != 3 or cos.shape[0] not in (1, batch) or cos.shape[1:] != (seq, dim):
+        raise ValueError(
+            f"rope: cos/sin must be [batch or 1, seq, head_dim] = [{batch} or 1, {seq}, {dim}] for q "
+            f"{list(q.shape)}, got {list(cos.shape)}"
+        )
+    return registry.call("rope", q.device, q, k, cos, sin)
+
+
+class RoPE(nn.Module):
+    """``nn.Module`` form of :func:`rope`: ``forward(q, k, cos, sin) -> (q, k)``."""
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
+                sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope(q, k, cos, sin)

@@ -1,0 +1,45 @@
+"""Triton kernels of torchport's ops, imported only when the Triton implementation of an op is chosen.
+
+Keeping them out of the op modules means ``torchport.kernels`` works where Triton is not installed and does not pay
+Triton's import time on devices that never use it. The kernels run on CUDA/ROCm GPUs, and on the CPU under Triton's
+interpreter (``TRITON_INTERPRET=1``), which is how the test suite checks the kernel code on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ...backends import get_backend
+
+__all__ = ["multiprocessor_count", "next_power_of_2", "rows_view"]
+
+
+@functools.lru_cache(maxsize=None)
+def _multiprocessor_count(device_type: str, index: int) -> int:
+    try:
+        count = get_backend(device_type).properties(index).get("multi_processor_count")
+    except Exception:  # the CPU (Triton's interpreter) has no device properties
+        count = None
+    return int(count) if count else 8
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids; 8 when unknown."""
+    return _multiprocessor_count(device.type, device.index or 0)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
+    """``t`` as a 2-D ``(rows, n)`` tensor whose last dimension is contiguous (a view when possible).
+
+    Row strides of 0 (an expanded gradient) are kept: the kernels only need unit stride along a row.
+    """
+    rows = t.reshape(-1, n) if n else t.reshape(-1, 0)
+    if rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(1) != 1:
+        rows = rows.contiguous()
+    return rows

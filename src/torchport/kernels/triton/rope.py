@@ -1,0 +1,139 @@
+"""Rotary position embedding in Triton, Hugging Face's half-split layout, q and k in one launch.
+
+For ``q [B, Hq, S, D]``, ``k [B, Hk, S, D]`` of s bytes per element, the forward reads q and k and writes both
+(2·(Hq+Hk)·B·S·D·s), the backward reads their gradients and writes the input gradients (the same again); cos and
+sin add 2·B·S·D·s per direction, read once per position rather than once per head. For q 4x32x2048x128,
+k 4x8x2048x128 in bf16: 344 MB, 0.114 ms at the H100's 3022 GB/s copy bandwidth.
+
+One program handles one (batch, position): it loads that position's cos and sin once and rotates every head of q
+and k. Strides are arguments, so q and k may be transposed views of ``[B, S, H, D]`` projections; outputs keep
+the input's layout.
+
+The backward is the same rotation with the sine negated and its halves exchanged:
+forward ``o1 = x1·c1 - x2·s1``, ``o2 = x2·c2 + x1·s2``; backward ``g1 = d1·c1 + d2·s2``, ``g2 = d2·c2 - d1·s1``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from .. import registry
+from . import next_power_of_2
+
+__all__ = ["rope"]
+
+
+@triton.jit
+def _rotate_heads(X, OUT, b, s, H, HALF, x_sb, x_sh, x_ss, o_sb, o_sh, o_ss, c1, c2, sa, sb,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    d = tl.arange(0, BLOCK_D)
+    for h0 in range(0, H, BLOCK_H):
+        h = h0 + tl.arange(0, BLOCK_H)
+        ok = (h < H)[:, None] & (d < HALF)[None, :]
+        src = X + b * x_sb + s * x_ss + h[:, None].to(tl.int64) * x_sh + d[None, :]
+        dst = OUT + b * o_sb + s * o_ss + h[:, None].to(tl.int64) * o_sh + d[None, :]
+        x1 = tl.load(src, mask=ok, other=0.0).to(tl.float32)
+        x2 = tl.load(src + HALF, mask=ok, other=0.0).to(tl.float32)
+        tl.store(dst, (x1 * c1[None, :] - x2 * sa[None, :]).to(OUT.dtype.element_ty), mask=ok)
+        tl.store(dst + HALF, (x2 * c2[None, :] + x1 * sb[None, :]).to(OUT.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, HALF,
+                 q_sb, q_sh, q_ss, k_sb, k_sh, k_ss, qo_sb, qo_sh, qo_ss, ko_sb, ko_sh, ko_ss,
+                 c_sb, c_ss, s_sb, s_ss,
+                 BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)
+    b = pid // S
+    s = pid % S
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HALF
+    cos = COS + b * c_sb + s * c_ss
+    sin = SIN + b * s_sb + s * s_ss
+    c1 = tl.load(cos + d, mask=d_ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin + d, mask=d_ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin + HALF + d, mask=d_ok, other=0.0).to(tl.float32)
+    if BACKWARD:
+        sa = -s2
+        sb = -s1
+    else:
+        sa = s1
+        sb = s2
+    _rotate_heads(Q, QO, b, s, HQ, HALF, q_sb, q_sh, q_ss, qo_sb, qo_sh, qo_ss, c1, c2, sa, sb, BLOCK_H, BLOCK_D)
+    _rotate_heads(K, KO, b, s, HK, HALF, k_sb, k_sh, k_ss, ko_sb, ko_sh, ko_ss, c1, c2, sa, sb, BLOCK_H, BLOCK_D)
+
+
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
+
+
+def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+            backward: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    q, k = _unit_last(q), _unit_last(k)
+    q_out = torch.empty_like(q)
+    k_out = torch.empty_like(k)
+    if q_out.stride(-1) != 1 and q_out.shape[-1] > 1:
+        q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    if k_out.stride(-1) != 1 and k_out.shape[-1] > 1:
+        k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    batch, heads_q, seq, dim = q.shape
+    heads_k = k.shape[1]
+    if batch * seq == 0 or dim == 0:
+        return q_out, k_out
+    half = dim // 2
+    block_d = next_power_of_2(half)
+    block_h = max(1, min(next_power_of_2(max(heads_q, heads_k)), 4096 // block_d))
+    num_warps = 4 if block_h * block_d <= 1024 else 8
+    c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
+    s_sb = sin.stride(0) if sin.shape[0] > 1 else 0
+    _rope_kernel[(batch * seq,)](
+        q, k, cos, sin, q_out, k_out, seq, heads_q, heads_k, half,
+        *(q.stride(i) for i in range(3)), *(k.stride(i) for i in range(3)),
+        *(q_out.stride(i) for i in range(3)), *(k_out.stride(i) for i in range(3)),
+        c_sb, cos.stride(1), s_sb, sin.stride(1),
+        BACKWARD=backward, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=num_warps,
+    )
+    return q_out, k_out
+
+
+class _RopeFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.save_for_backward(cos, sin)
+        ctx.reference = reference
+        ctx.shapes = (q.shape, q.dtype, k.shape, k.dtype)
+        return _launch(q, k, cos, sin, backward=False)
+
+    @staticmethod
+    def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None) -> tuple[Any, ...]:
+        cos, sin = ctx.saved_tensors
+        q_shape, q_dtype, k_shape, k_dtype = ctx.shapes
+        dq = torch.zeros(q_shape, dtype=q_dtype, device=cos.device) if dq is None else dq
+        dk = torch.zeros(k_shape, dtype=k_dtype, device=cos.device) if dk is None else dk
+        try:
+            gq, gk = _launch(dq, dk, cos, sin, backward=True)
+        except Exception as exc:
+            # The rotation is linear in q and k: its gradient is the reference rotation's vector-Jacobian product,
+            # which needs only the shapes, not the saved inputs.
+            q0 = torch.zeros_like(dq)
+            k0 = torch.zeros_like(dk)
+            gq, gk, _, _ = registry.backward_fallback("rope", "triton", exc, ctx.reference, (q0, k0, cos, sin),
+                                                      (dq, dk))
+        return gq, gk, None, None, None
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+         reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    for t in (q, k):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
+    if cos.requires_grad or sin.requires_grad:
+        raise registry.Unsupported("gradients with respect to cos and sin are computed by the reference only")
+    return _RopeFunction.apply(q, k, _unit_last(cos), _unit_last(sin), reference)
