@@ -8,6 +8,7 @@ synchronize functions refuse to run ("Allocator for npu is not a DeviceAllocator
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import math
@@ -177,6 +178,17 @@ class Backend:
 
     def current_stream(self, index: int) -> Any | None:
         return self.module().current_stream(index)
+
+    def use_stream(self, stream: Any | None) -> contextlib.AbstractContextManager[Any]:
+        """A context in which work is queued on ``stream`` (one from :meth:`stream`); with None, no change."""
+        if stream is None:
+            return contextlib.nullcontext()
+        return self.module().stream(stream)
+
+    def empty_pinned(self, nbytes: int) -> torch.Tensor:
+        """An uninitialised host buffer of ``nbytes`` bytes (uint8), page-locked when the device pins memory, so
+        that copies from it to the device run asynchronously at full bus speed."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pins_memory)
 
     # -- vendor operators ------------------------------------------------------------------------------------------
     def fused_op(self, name: str) -> Callable[..., Any] | None:

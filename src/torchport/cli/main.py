@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 from .. import __version__
 from . import doctor, migrate, run
+from . import stack
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -32,6 +33,7 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command(doctor.HELP, doctor.add_arguments, doctor.handle),
     "run": Command(run.HELP, run.add_arguments, run.handle),
     "migrate": Command(migrate.HELP, migrate.add_arguments, migrate.handle),
+    "stack": Command(stack.HELP, stack.add_arguments, stack.handle),
 }
 
 
