@@ -1,0 +1,172 @@
+"""Honest timing of a callable: device events where the device has them, else a synchronised host clock."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from ..device import DeviceLike, resolve
+
+__all__ = ["Result", "measure", "percentile"]
+
+EVENTS = "device events"
+HOST_CLOCK = "host clock, synchronised"
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-th percentile (0 to 100) with linear interpolation between the closest ranks (NumPy's default).
+
+    Example:
+        >>> percentile([1.0, 2.0, 3.0, 4.0], 50)
+        2.5
+    """
+    if not values:
+        raise ValueError("percentile of no values")
+    ordered = sorted(values)
+    position = (len(ordered) - 1) * q / 100
+    low = math.floor(position)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    """Times of the measured calls (or steps), in milliseconds, and what they cost in memory.
+
+    ``timer`` says how they were taken (:data:`EVENTS` or :data:`HOST_CLOCK`). ``peak_memory`` is the peak of bytes
+    held by tensors on the device while the calls ran, from the device allocator's counters; it is None on devices
+    whose allocator keeps no count (the CPU: PyTorch does not count host tensor bytes, and the process's resident
+    set is not tensor memory). ``wall_ms`` is the synchronised host time of all measured calls divided by their
+    number (None for :class:`Monitor`, whose steps are spread over the caller's loop). ``items`` is the work per
+    call (samples, tokens...), for ``throughput``.
+    """
+
+    device: str
+    timer: str
+    times_ms: tuple[float, ...]
+    warmup: int
+    peak_memory: int | None = None
+    wall_ms: float | None = None
+    items: tuple[float, ...] | None = None
+
+    @property
+    def iters(self) -> int:
+        return len(self.times_ms)
+
+    @property
+    def median_ms(self) -> float:
+        return percentile(self.times_ms, 50)
+
+    @property
+    def p20_ms(self) -> float:
+        return percentile(self.times_ms, 20)
+
+    @property
+    def p80_ms(self) -> float:
+        return percentile(self.times_ms, 80)
+
+    @property
+    def throughput(self) -> float | None:
+        """Items per second: the median over calls of items / time; None when no item count was given."""
+        if self.items is None:
+            return None
+        return percentile([n / (ms / 1e3) if ms > 0 else math.inf for n, ms in zip(self.items, self.times_ms)], 50)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data, JSON-serialisable.
+
+        Example:
+            >>> json.dumps(measure(step, device="cpu").to_dict())
+        """
+        throughput = self.throughput
+        return {
+            "device": self.device, "timer": self.timer, "iters": self.iters, "warmup": self.warmup,
+            "median_ms": self.median_ms, "p20_ms": self.p20_ms, "p80_ms": self.p80_ms,
+            "min_ms": min(self.times_ms), "max_ms": max(self.times_ms), "wall_ms": self.wall_ms,
+            "peak_memory": self.peak_memory,
+            "throughput": throughput if throughput is None or math.isfinite(throughput) else None,
+            "times_ms": list(self.times_ms),
+        }
+
+    def __str__(self) -> str:
+        text = (f"{self.median_ms:.3f} ms median (p20 {self.p20_ms:.3f}, p80 {self.p80_ms:.3f}) over {self.iters} "
+                f"calls on {self.device}, {self.timer}")
+        if self.throughput is not None:
+            text += f"; {self.throughput:,.1f} items/s"
+        if self.peak_memory is not None:
+            text += f"; peak memory {self.peak_memory / 2**20:,.1f} MiB"
+        return text
+
+
+def _check_count(name: str, value: Any, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{name}={value!r} is not allowed; give an integer >= {minimum}")
+    return value
+
+
+def _check_items(items: Any) -> float | None:
+    if items is None:
+        return None
+    if isinstance(items, bool) or not isinstance(items, (int, float)) or not items > 0:
+        raise ValueError(f"items={items!r} is not a count of work per call; give a number > 0, or None")
+    return float(items)
+
+
+def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, device: DeviceLike = None,
+            items: float | None = None) -> Result:
+    """Call ``fn()`` ``warmup`` times, then time ``iters`` calls one by one.
+
+    Each call is timed with a pair of device events recorded on the device's current stream around it, read after
+    a final synchronize; on devices without events (the CPU) with the host clock, the device synchronised after
+    each call. The device is synchronised before the first timed call and after the last, so queued work is never
+    left out. Work ``fn`` queues on other streams is seen by the synchronisations (``wall_ms``) but not by events
+    on the current stream. Peak memory counters are reset after the warm-up.
+
+    Args:
+        fn: the work to time, with no arguments (wrap arguments in a lambda or ``functools.partial``).
+        warmup: untimed calls first (compilation, caching allocator, autotuning).
+        iters: timed calls.
+        device: the device whose work is timed (default: :func:`torchport.device`'s choice).
+        items: work per call (samples, tokens) for the throughput in items per second.
+
+    Example:
+        >>> result = torchport.bench.measure(lambda: model(x), device="npu", items=x.shape[0])
+        >>> result.median_ms, result.throughput
+    """
+    if not callable(fn):
+        raise TypeError(f"measure needs a callable with no arguments, got {type(fn).__name__}")
+    warmup, iters, per_call = _check_count("warmup", warmup, 0), _check_count("iters", iters, 1), _check_items(items)
+    backend, index = resolve(device)
+    for _ in range(warmup):
+        fn()
+    backend.synchronize(index)
+    backend.reset_peak_memory_stats(index)
+    starts = [backend.event(enable_timing=True) for _ in range(iters)]
+    use_events = all(event is not None for event in starts)
+    times: list[float] = []
+    wall_start = time.perf_counter()
+    if use_events:
+        ends = [backend.event(enable_timing=True) for _ in range(iters)]
+        for start, end in zip(starts, ends):
+            start.record()
+            fn()
+            end.record()
+        backend.synchronize(index)
+        wall = time.perf_counter() - wall_start
+        times = [float(start.elapsed_time(end)) for start, end in zip(starts, ends)]
+    else:
+        previous = wall_start
+        for _ in range(iters):
+            fn()
+            backend.synchronize(index)
+            now = time.perf_counter()
+            times.append((now - previous) * 1e3)
+            previous = now
+        wall = previous - wall_start
+    peak = backend.memory_stats(index).get("peak_allocated")
+    return Result(device=str(backend.device(index)), timer=EVENTS if use_events else HOST_CLOCK,
+                  times_ms=tuple(times), warmup=warmup, peak_memory=peak, wall_ms=wall * 1e3 / iters,
+                  items=None if per_call is None else (per_call,) * iters)
