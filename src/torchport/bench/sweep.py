@@ -22,7 +22,7 @@ import torch
 
 from ..device import DeviceLike, resolve
 from ..verify.structure import call_model, leaves, map_tensors
-from ..verify.target import unpack
+from ..verify.target import TargetError, unpack
 from .timing import Result, measure
 
 __all__ = ["Sweep", "SweepPoint", "base_batch", "batch_inputs", "sweep"]
@@ -50,7 +50,7 @@ def batch_inputs(inputs: Any, batch_size: int) -> Any:
     """
     base = base_batch(inputs)
     if base is None or base == 0:
-        raise ValueError("the inputs hold no tensor with a batch dimension to tile; give the factory a "
+        raise TargetError("the inputs hold no tensor with a batch dimension to tile; give the factory a "
                          "batch_size keyword instead")
 
     def tile(t: torch.Tensor) -> torch.Tensor:
@@ -189,8 +189,10 @@ def sweep(factory: Callable[..., Any], batch_sizes: Sequence[int] | None = None,
     if sizes is None:
         size = base_batch(shared[1])
         if size is None:
-            raise ValueError(f"{source} returned inputs without a batch dimension; give batch sizes to measure")
+            raise TargetError(f"{source} returned inputs without a batch dimension; give batch sizes to measure")
         sizes, batching, tile = [size], "as the factory made them", False
+    if tile:
+        batch_inputs(shared[1], 1)  # fails now, with its reason, when the inputs have nothing to tile
 
     points: list[SweepPoint] = []
     bar = _progress(progress, len(sizes))
@@ -262,6 +264,7 @@ def _progress(enabled: bool, total: int) -> Any:
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+    console = Console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=Console(stderr=True), transient=True)
+                    console=console, transient=True, disable=not console.is_terminal)
 

@@ -19,6 +19,7 @@ from typing import NamedTuple
 from .. import __version__
 from . import doctor, migrate, run
 from . import stack
+from . import bench, verify
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -34,6 +35,8 @@ COMMANDS: dict[str, Command] = {
     "run": Command(run.HELP, run.add_arguments, run.handle),
     "migrate": Command(migrate.HELP, migrate.add_arguments, migrate.handle),
     "stack": Command(stack.HELP, stack.add_arguments, stack.handle),
+    "verify": Command(verify.HELP, verify.add_arguments, verify.handle),
+    "bench": Command(bench.HELP, bench.add_arguments, bench.handle),
 }
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from .divergence import ModelError, StructureError, compare
 from .hooks import ROOT, Recorder
 from .report import LayerRow, Report
-from .target import load_target, unpack
+from .target import TargetError, load_target, unpack
 from .tolerance import TOLERANCES, tolerance
 
 __all__ = [
@@ -23,6 +23,7 @@ __all__ = [
     "Report",
     "StructureError",
     "TOLERANCES",
+    "TargetError",
     "compare",
     "load_target",
     "tolerance",

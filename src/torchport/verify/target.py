@@ -12,7 +12,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["load_target", "unpack"]
+__all__ = ["TargetError", "load_target", "unpack"]
+
+
+class TargetError(ValueError):
+    """A target that cannot be used: malformed, not found, not callable, or not returning ``(model, inputs)``."""
 
 
 def load_target(spec: str) -> Callable[..., Any]:
@@ -20,7 +24,7 @@ def load_target(spec: str) -> Callable[..., Any]:
     ``python -m``) or ``path/to/file.py:factory``.
 
     Raises:
-        ValueError: the spec is malformed, the module or file cannot be found, or the name is not a callable in it.
+        TargetError: the spec is malformed, the module or file cannot be found, or the name is not a callable in it.
 
     Example:
         >>> factory = load_target("examples/verify_target.py:factory")
@@ -28,10 +32,10 @@ def load_target(spec: str) -> Callable[..., Any]:
     """
     where, sep, name = spec.rpartition(":")
     if not sep or not where or not name.isidentifier():
-        raise ValueError(f"TARGET={spec!r} is not package.module:factory or path/to/file.py:factory")
+        raise TargetError(f"TARGET={spec!r} is not package.module:factory or path/to/file.py:factory")
     if where.endswith(".py") or "/" in where or os.sep in where:
         if not os.path.isfile(where):
-            raise ValueError(f"TARGET={spec!r}: file {where!r} does not exist (looked in {os.getcwd()})")
+            raise TargetError(f"TARGET={spec!r}: file {where!r} does not exist (looked in {os.getcwd()})")
         module = _import_file(where)
     else:
         if os.getcwd() not in sys.path and "" not in sys.path:
@@ -41,14 +45,14 @@ def load_target(spec: str) -> Callable[..., Any]:
         except ModuleNotFoundError as exc:
             if exc.name is None or not where.startswith(exc.name):
                 raise  # the target exists but imports something missing: show its own traceback
-            raise ValueError(f"TARGET={spec!r}: no module named {exc.name!r} (sys.path starts with "
+            raise TargetError(f"TARGET={spec!r}: no module named {exc.name!r} (sys.path starts with "
                              f"{sys.path[0]!r}); give an importable module or a path ending in .py") from exc
     factory = getattr(module, name, None)
     if not callable(factory):
         found = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_")
                        and getattr(v, "__module__", None) == module.__name__)
         what = "is not callable" if factory is not None else "does not exist"
-        raise ValueError(f"TARGET={spec!r}: {name!r} {what} in {module.__name__}; its functions and classes: "
+        raise TargetError(f"TARGET={spec!r}: {name!r} {what} in {module.__name__}; its functions and classes: "
                          f"{', '.join(found) or 'none'}")
     return factory
 
@@ -82,5 +86,5 @@ def unpack(result: Any, source: str) -> tuple[torch.nn.Module, Any]:
         got = f"a tuple of {len(result)}: ({', '.join(type(item).__name__ for item in result)})"
     else:
         got = f"a {type(result).__name__}"
-    raise ValueError(f"{source} must return (model, inputs), a torch.nn.Module and the inputs to call it with "
+    raise TargetError(f"{source} must return (model, inputs), a torch.nn.Module and the inputs to call it with "
                      f"(a tensor, a tuple of arguments or a dict of keyword arguments); it returned {got}")

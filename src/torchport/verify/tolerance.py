@@ -4,8 +4,8 @@ A row passes when its relative error ‖out − ref‖₂ / ‖ref‖₂ is at m
 ``atol`` of the reference (the floor for outputs near zero, where a relative error means nothing).
 
 The rtol values leave room above the largest relative error measured against a float64 CPU reference on healthy
-models (an MLP of 4 Linear-LayerNorm-GELU blocks, a small CNN with BatchNorm, a 2-layer GPT-2 from config; batch 2 to 8;
-torch 2.13 on CPU and on the simulated NPU). Gradients (``backward=True``) come out several times worse than
+models (an MLP of 4 Linear-LayerNorm-GELU blocks, a small CNN with BatchNorm, a 2-layer GPT-2 from config;
+batch 2 to 8; torch 2.13 on CPU and on the simulated NPU). Gradients (``backward=True``) come out several times worse than
 forward outputs, because weight gradients are sums over the batch with cancellation:
 
 =========  =================  ==================  =====  =====
