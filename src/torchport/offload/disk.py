@@ -132,8 +132,10 @@ def _progress(enabled: bool):  # noqa: ANN202 - a rich Progress, imported lazily
     from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TransferSpeedColumn
 
+    console = Console(stderr=True)
     return Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(binary_units=True),
-                    TransferSpeedColumn(), console=Console(stderr=True), transient=True, disable=not enabled)
+                    TransferSpeedColumn(), console=console, transient=True,
+                    disable=not (enabled and console.is_terminal))
 
 
 @dataclasses.dataclass

@@ -34,6 +34,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import weakref
 from typing import Any
 
 import torch
@@ -154,6 +155,9 @@ class OffloadState:
         self._reader = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="torchport-offload")
                         if copy_stream is not None and any(b.disk is not None for b in offloaded) else None)
         self.handles: list[Any] = []
+        # Copies may still be in flight when the model is dropped (the last forward prefetched the next one's first
+        # blocks): wait for them before the buffers go back to the allocator, which could hand them out meanwhile.
+        weakref.finalize(self, _quiesce, copy_stream)
         self.places: dict[str, list[tuple[nn.Module, str]]] = {}  # block -> where its own parameters sit
 
     @property
@@ -234,6 +238,11 @@ class OffloadState:
         self._drain()
         if self._reader is not None:
             self._reader.shutdown(wait=True)
+
+
+def _quiesce(stream: Any | None) -> None:
+    if stream is not None:
+        stream.synchronize()
 
 
 def _requires_grad(value: Any) -> bool:

@@ -23,7 +23,7 @@ from ..backends.cpu import host_memory
 from ..device import DeviceLike, resolve
 from .disk import check_dir
 
-__all__ = ["measure_stack"]
+__all__ = ["drop_page_cache", "measure_stack"]
 
 
 def _time(fn: Callable[[], None], sync: Callable[[], None], iterations: int) -> float:
@@ -50,7 +50,14 @@ def _host_to_device(backend: Backend, index: int, source: torch.Tensor, pinned: 
     return source.numel() / seconds
 
 
-def _drop_cache(path: str) -> bool:
+def drop_page_cache(path: str) -> bool:
+    """Flush a file and drop its pages from the OS page cache, so the next read comes from the disk. Returns
+    whether the OS accepted (Linux: ``posix_fadvise(POSIX_FADV_DONTNEED)``; no-op elsewhere).
+
+    Example:
+        >>> drop_page_cache("/nvme/tier/model.layers.9.safetensors")
+        True
+    """
     advise = getattr(os, "posix_fadvise", None)
     if advise is None:
         return False
@@ -74,7 +81,7 @@ def _disk_read(backend: Backend, folder: str, source: torch.Tensor, iterations: 
         dropped = True
         times = []
         for _ in range(iterations):
-            dropped = _drop_cache(path) and dropped
+            dropped = drop_page_cache(path) and dropped
             start = time.perf_counter()
             with open(path, "rb") as f:
                 mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
