@@ -241,3 +241,20 @@ def test_non_finite_values_on_one_side_fail_and_serialise(device: torch.device) 
 def test_tolerances_can_be_loosened(npu: torch.device) -> None:
     report = compare(blocks_model(shift=1e-2), torch.randn(4, 8), device=npu, rtol=0.5)
     assert report.ok and report.rtol == 0.5 and report.atol == torchport.verify.TOLERANCES[torch.float32][1]
+
+
+def test_device_memory_holds_the_weights_and_a_few_activations(device: torch.device) -> None:
+    from torchport.backends import get_backend
+
+    backend = get_backend(device.type)
+    if backend.memory_stats(device.index or 0)["peak_allocated"] is None:
+        pytest.skip(f"{device} keeps no count of tensor bytes")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(16)])
+    x = torch.randn(512, 256)
+    weights, activation = 16 * 256 * 257 * 4, 512 * 256 * 4
+    backend.reset_peak_memory_stats(device.index or 0)
+    base = backend.memory_stats(device.index or 0)["allocated"]
+    assert compare(model, x, device=device).ok
+    peak = backend.memory_stats(device.index or 0)["peak_allocated"] - base
+    assert peak < weights + 6 * activation  # module outputs go to the host as they come, not kept on the device

@@ -15,6 +15,7 @@ import contextlib
 import copy
 import logging
 import math
+import weakref
 from typing import Any
 
 import torch
@@ -265,7 +266,7 @@ class _Comparison:
         self.stored: dict[str, tuple[dict[str, str], list[tuple[str, torch.Tensor]], str]] = {}
         self.grads: dict[str, torch.Tensor] = {}
         self.rows: list[LayerRow] = []
-        self._copies: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}  # id -> (tensor, version, host copy)
+        self._copies: dict[int, tuple[weakref.ref, int, torch.Tensor]] = {}  # id -> (tensor, version, host copy)
         self.target_label = self.reference_label = ""
 
     # -- target: keep a host copy of every module output -------------------------------------------------------
@@ -285,11 +286,13 @@ class _Comparison:
 
     def _keep(self, tensor: torch.Tensor) -> torch.Tensor:
         # an output that is the very tensor an inner module returned (Sequential, wrappers) shares its host copy
+        # (a weak reference: holding the device tensor would keep every activation alive on the device; a dead
+        # reference means the id now belongs to another tensor)
         seen = self._copies.get(id(tensor))
-        if seen is not None and seen[0] is tensor and seen[1] == tensor._version:
+        if seen is not None and seen[0]() is tensor and seen[1] == tensor._version:
             return seen[2]
         copied = _host_copy(tensor)
-        self._copies[id(tensor)] = (tensor, tensor._version, copied)  # holding the tensor keeps its id unique
+        self._copies[id(tensor)] = (weakref.ref(tensor), tensor._version, copied)
         return copied
 
     def _store(self, call: str, module: torch.nn.Module, output: Any) -> None:
