@@ -9,7 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["DTYPES", "HELP", "add_arguments", "check_output", "handle", "load_factory", "read_input"]
+__all__ = ["DTYPES", "HELP", "add_arguments", "cast", "check_device", "check_output", "handle", "load_factory",
+           "read_input", "usage_error"]
 
 HELP = "compare every module's output on a device against a float64 CPU reference; exit 1 where it diverges"
 
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def usage_error(message: str) -> argparse.ArgumentError:
+    """The error :func:`torchport.cli.main.main` prints as one line and exits 2 for."""
     return argparse.ArgumentError(None, message)
 
 
@@ -86,6 +88,7 @@ def load_factory(target: str) -> Callable[..., Any]:
 
 
 def check_device(spec: str | None, option: str) -> None:
+    """A usage error when ``spec`` is not a device present on this machine."""
     from ..device import resolve
 
     try:

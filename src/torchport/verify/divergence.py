@@ -6,7 +6,9 @@ returns the very tensor an inner call returned (``nn.Sequential``, wrappers) sha
 then freed and the reference runs; as each of its modules returns, its output is compared with the stored one,
 a row of statistics is kept, and the stored copy is dropped. Peak extra host memory is therefore one copy of every
 distinct module output of the target forward in the target's dtype (with ``backward=True``, plus one copy of every
-parameter gradient), never the reference's activations, and never both runs' activations at once.
+parameter gradient), never the reference's activations, and never both runs' activations at once. On the target
+device: a copy of the weights plus what the forward itself holds at once (outputs are referenced weakly while
+copied), measured at weights + 3 activations for a 16-layer MLP on the simulated NPU.
 """
 
 from __future__ import annotations
