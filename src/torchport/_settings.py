@@ -38,7 +38,6 @@ import dataclasses
 import functools
 import os
 import re
-import types
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -77,7 +76,7 @@ KERNEL_MODES = ("auto", "reference", "triton", "npu")
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings) if field.name != "kernels"}
-_DEFAULTS["kernels"] = types.MappingProxyType({"*": "auto"})
+_DEFAULTS["kernels"] = {"*": "auto"}
 _overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("torchport_overrides", default={})
 
 
@@ -102,7 +101,7 @@ def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | Non
 
 def _validate(name: str, value: Any, source: str) -> Any:
     if value is None or value == "":
-        return _DEFAULTS[name]
+        return dict(_DEFAULTS[name]) if name == "kernels" else _DEFAULTS[name]
     if name in ("device", "shim"):
         kind, index = parse_device_spec(str(value), source)
         return kind if index is None else f"{kind}:{index}"
@@ -128,14 +127,14 @@ def _validate(name: str, value: Any, source: str) -> Any:
         return _BOOLEAN[text]
     if name == "kernels":
         if isinstance(value, str):
-            return _parse_kernels_text(value, source)  # read on every kernel call: parse each text once
-        return types.MappingProxyType(_parse_kernels(value, source))
+            return dict(_parse_kernels_text(value, source))  # read on every kernel call: parse each text once
+        return _parse_kernels(value, source)
     raise AssertionError(name)
 
 
 @functools.lru_cache(maxsize=64)
-def _parse_kernels_text(value: str, source: str) -> Mapping[str, str]:
-    return types.MappingProxyType(_parse_kernels(value, source))
+def _parse_kernels_text(value: str, source: str) -> tuple[tuple[str, str], ...]:
+    return tuple(_parse_kernels(value, source).items())
 
 
 def _parse_kernels(value: Any, source: str) -> dict[str, str]:

@@ -19,7 +19,7 @@ from typing import NamedTuple
 from .. import __version__
 from . import doctor, migrate, run
 from . import stack
-from . import bench, verify
+from . import bench, kernels, verify
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -37,6 +37,7 @@ COMMANDS: dict[str, Command] = {
     "stack": Command(stack.HELP, stack.add_arguments, stack.handle),
     "verify": Command(verify.HELP, verify.add_arguments, verify.handle),
     "bench": Command(bench.HELP, bench.add_arguments, bench.handle),
+    "kernels": Command(kernels.HELP, kernels.add_arguments, kernels.handle),
 }
 
 

@@ -36,9 +36,11 @@ __all__ = [
     "KernelError",
     "Unsupported",
     "call",
+    "forced",
     "fused_op",
     "implementation",
     "list_kernels",
+    "refresh",
     "register_kernel",
     "select",
 ]
@@ -134,6 +136,15 @@ def _ensure_loaded() -> None:
             _loaded = True
 
 
+def refresh() -> None:
+    """Forget which implementations were found unavailable or broken, and which warnings were given (for example
+    after installing Triton or a newer torch_npu in a running process)."""
+    with _lock:
+        _availability.clear()
+        _broken.clear()
+        _warned.clear()
+
+
 def list_kernels() -> dict[str, list[str]]:
     """Every registered op with the names of its implementations, by descending priority.
 
@@ -185,7 +196,7 @@ def _available(impl: Implementation, device: torch.device) -> str | None:
     return _availability[key]
 
 
-def select(op: str, device: torch.device) -> Implementation:
+def select(op: str, device: torch.device, *, quiet: bool = False) -> Implementation:
     """The implementation that a call of ``op`` on ``device`` would use now (before argument checks).
 
     In auto mode an implementation whose library or vendor operator is missing is skipped (and the reason is
@@ -215,7 +226,8 @@ def select(op: str, device: torch.device) -> Implementation:
         reason = _available(impl, device)
         if reason is None:
             return impl
-        _warn_once(op, impl.name, device.type, reason)
+        if not quiet:
+            _warn_once(op, impl.name, device.type, reason)
     return impls["reference"]
 
 
@@ -270,8 +282,15 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
         return _ops[op]["reference"].fn(*args)
 
 
+def forced(op: str) -> bool:
+    """Whether the user forced ``op``'s implementation (read in the forward: the autograd engine runs backwards on
+    its own threads, which do not see a ``settings.override`` block)."""
+    return _mode(op)[1]
+
+
 def backward_fallback(
-    op: str, name: str, exc: Exception, reference: Callable[..., Any], inputs: Sequence[Any], grads: Sequence[Any],
+    op: str, name: str, exc: Exception, was_forced: bool, reference: Callable[..., Any], inputs: Sequence[Any],
+    grads: Sequence[Any],
 ) -> tuple[Any, ...]:
     """Gradients of ``reference(*inputs)`` for a fast backward that failed (auto mode); forced mode re-raises.
 
@@ -279,7 +298,7 @@ def backward_fallback(
     reference forward from the saved inputs and differentiates it. Returns one gradient per input (None where the
     input is not a floating tensor that needs one).
     """
-    if _mode(op)[1] or isinstance(exc, torch.OutOfMemoryError):
+    if was_forced or isinstance(exc, torch.OutOfMemoryError):
         raise exc
     _warn_once(op, name, "backward", f"{type(exc).__name__}: {exc}")
     tensors = [t.detach().requires_grad_(needs) if isinstance(t, torch.Tensor) else t
@@ -341,7 +360,7 @@ def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]
                     if reason is not None:
                         notes.append(f"{impl.name}: {reason}")
             try:
-                chosen = select(op, dev).name
+                chosen = select(op, dev, quiet=True).name
             except KernelError as exc:
                 chosen, notes = "error", [str(exc)]
             rows.append({

@@ -119,13 +119,13 @@ class _GluFunction(torch.autograd.Function):
             _fwd_kernel[grid](a, b, c, m, n, a.stride(0), b.stride(0), c.stride(0), GELU=gelu,
                               BLOCK_M=block_m, BLOCK_N=block_n, num_warps=8)
         ctx.save_for_backward(gate, up)
-        ctx.args = (gelu, in_place, reference)
+        ctx.args = (gelu, in_place, reference, registry.forced("geglu" if gelu else "swiglu"))
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         gate, up = ctx.saved_tensors
-        gelu, in_place, reference = ctx.args
+        gelu, in_place, reference, was_forced = ctx.args
         try:
             if in_place:
                 # Gradients go over the inputs' own memory (their values are read first, element by element);
@@ -146,7 +146,7 @@ class _GluFunction(torch.autograd.Function):
             if db.data_ptr() != dup.data_ptr():
                 dup.copy_(db.view(dup.shape))
         except Exception as exc:
-            dgate, dup = registry.backward_fallback("geglu" if gelu else "swiglu", "triton", exc, reference,
+            dgate, dup = registry.backward_fallback("geglu" if gelu else "swiglu", "triton", exc, was_forced, reference,
                                                     (gate, up), (dout,))
         return dgate, dup, None, None, None
 

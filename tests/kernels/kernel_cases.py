@@ -1,0 +1,60 @@
+"""Helpers of the kernel tests: call an implementation directly, compare with a float64 reference.
+
+Implementations are called under a forced ``TORCHPORT_KERNELS`` setting, so a failure (forward or backward) raises
+instead of falling back to the reference.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+import torchport
+from torchport.kernels import registry
+
+# Largest relative error ||out - ref|| / ||ref|| against a float64 reference, per dtype of the tensors under test.
+# bf16 keeps 8 bits (one rounding of the output costs up to 2^-9 = 2e-3 per element), fp16 11 bits (2^-12 = 2.4e-4).
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@contextlib.contextmanager
+def forced(name: str) -> Iterator[None]:
+    with torchport.settings.override(kernels=name):
+        yield
+
+
+def call(op: str, name: str, *args: Any) -> Any:
+    """Run implementation ``name`` of ``op`` directly, forced (so a failing backward raises)."""
+    with forced(name):
+        return registry.implementation(op, name).fn(*args)
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref||, with ||ref|| floored at 1e-2 per element (inputs are of order 1): a gradient that is zero in exact
+    arithmetic (RMSNorm's dx for one column) is compared by its absolute error."""
+    out, ref = out.detach().cpu().double(), ref.detach().cpu().double()
+    diff = (out - ref).norm().item()
+    scale = max(ref.double().norm().item(), 1e-2 * ref.numel() ** 0.5)
+    return diff / scale if scale > 0 else diff
+
+
+def check_close(name: str, out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape, f"{name}: shape {tuple(out.shape)} != {tuple(ref.shape)}"
+    assert torch.isfinite(out.detach().cpu()).all(), f"{name}: non-finite values"
+    err = relative_error(out, ref)
+    assert err <= TOLERANCE[dtype], f"{name}: relative error {err:.3g} > {TOLERANCE[dtype]:.1g} ({dtype})"
+
+
+def leaf(t: torch.Tensor, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(device=device, dtype=dtype).detach().requires_grad_()
+
+
+def gradients(fn: Callable[..., Any], inputs: list[torch.Tensor], grads: list[torch.Tensor]) -> tuple[Any, list[Any]]:
+    """Run ``fn(*inputs)``, back-propagate ``grads`` and return (outputs, input gradients)."""
+    out = fn(*inputs)
+    outs = list(out) if isinstance(out, tuple) else [out]
+    torch.autograd.backward(outs, [g.to(o.device, o.dtype) for o, g in zip(outs, grads)])
+    return out, [t.grad for t in inputs]

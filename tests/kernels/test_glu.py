@@ -1,0 +1,87 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport
+from torchport.kernels.glu import geglu_reference, swiglu_reference
+
+from kernel_cases import call, check_close, gradients, leaf
+
+SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
+REFERENCES = {"swiglu": swiglu_reference, "geglu": geglu_reference}
+
+
+def _case(op, shape, device, dtype):
+    gen = torch.Generator().manual_seed(2)
+    gate, up, dout = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
+    ref, ref_grads = gradients(REFERENCES[op], [gate.clone().requires_grad_(), up.clone().requires_grad_()], [dout])
+    return [leaf(gate, device, dtype), leaf(up, device, dtype)], dout.to(device, dtype), ref, ref_grads
+
+
+def _skip_missing(op, impl):
+    if op == "geglu" and impl == "npu":
+        pytest.skip("geglu has no npu implementation")
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_backward_against_float64(op, shape, device, dtype, impl):
+    _skip_missing(op, impl)
+    inputs, dout, ref, (ref_dgate, ref_dup) = _case(op, shape, device, dtype)
+    out, (dgate, dup) = gradients(lambda g, u: call(op, impl, g, u, False), inputs, [dout])
+    assert out.dtype == dtype
+    check_close("out", out, ref, dtype)
+    check_close("dgate", dgate, ref_dgate, dtype)
+    check_close("dup", dup, ref_dup, dtype)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["copy", "in_place"])
+def test_halves_of_a_fused_projection(op, in_place, device, dtype, impl):
+    """gate and up as the two halves of one [.., 2n] tensor: strided rows, used where they lie."""
+    _skip_missing(op, impl)
+    inputs, dout, ref, (ref_dgate, ref_dup) = _case(op, (3, 4, 50), device, dtype)
+    fused = leaf(torch.cat([t.detach() for t in inputs], dim=-1), device, dtype)
+    out = call(op, impl, *(fused * 1).chunk(2, dim=-1), in_place)  # an intermediate, as after a projection
+    out.backward(dout)
+    check_close("out", out, ref, dtype)
+    dgate, dup = fused.grad.chunk(2, dim=-1)
+    check_close("dgate", dgate, ref_dgate, dtype)
+    check_close("dup", dup, ref_dup, dtype)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_zero_size(op, device, impl):
+    _skip_missing(op, impl)
+    gate = torch.empty(0, 7, device=device, requires_grad=True)
+    up = torch.empty(0, 7, device=device, requires_grad=True)
+    out = call(op, impl, gate, up, False)
+    out.sum().backward()
+    assert out.shape == (0, 7) and gate.grad.shape == (0, 7)
+
+
+def test_in_place_misuse_fails_loudly(device, impl):
+    """A node that saved ``gate`` before the in-place backward overwrote it raises instead of using the gradient."""
+    if impl != "triton":
+        pytest.skip("the in-place backward is the Triton kernel's")
+    x = torch.randn(4, 8, device=device, requires_grad=True)
+    gate = x * 1.0
+    other = gate * x  # MulBackward saves gate
+    out = call("swiglu", impl, gate, torch.randn(4, 8, device=device), True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (out.sum() + other.sum()).backward()
+
+
+def test_modules_and_bad_input(device):
+    gate, up = torch.randn(2, 9, device=device), torch.randn(2, 9, device=device)
+    check_close("swiglu", torchport.kernels.SwiGLU()(gate, up), swiglu_reference(gate.cpu().double(),
+                                                                                 up.cpu().double()), torch.float32)
+    check_close("geglu", torchport.kernels.GeGLU()(gate, up), geglu_reference(gate.cpu().double(),
+                                                                               up.cpu().double()), torch.float32)
+    with pytest.raises(ValueError, match=r"same shape, got \[2, 9\] and \[2, 8\]"):
+        torchport.kernels.swiglu(gate, up[:, :8])
+    with pytest.raises(TypeError, match=r"one dtype, got gate torch.float32, up torch.float16"):
+        torchport.kernels.geglu(gate, up.half())
+    with pytest.raises(TypeError, match="gate has dtype torch.int64"):
+        torchport.kernels.swiglu(gate.long(), up)

@@ -1,0 +1,73 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport
+from torchport.kernels.layer_norm import layer_norm_reference
+
+from kernel_cases import call, check_close, gradients, leaf
+
+SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
+
+
+def _case(shape, device, dtype, affine=True):
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 3  # a large mean: tests the centring
+    w = torch.randn(shape[-1], generator=gen, dtype=torch.float64) if affine else None
+    b = torch.randn(shape[-1], generator=gen, dtype=torch.float64) if affine else None
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    params = [t.clone().requires_grad_() for t in (x, w, b) if t is not None]
+    ref, ref_grads = gradients(lambda *t: layer_norm_reference(t[0], *(t[1:] or (None, None)), 1e-5), params, [dy])
+    inputs = [leaf(t, device, dtype) for t in (x, w, b) if t is not None]
+    return inputs, dy.to(device, dtype), ref, ref_grads
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_backward_against_float64(shape, device, dtype, impl):
+    if impl == "npu":
+        pytest.skip("layer_norm has no npu implementation (torch's layer_norm is torch_npu's fused one)")
+    inputs, dy, ref, ref_grads = _case(shape, device, dtype)
+    y, grads = gradients(lambda x, w, b: call("layer_norm", impl, x, w, b, 1e-5), inputs, [dy])
+    check_close("y", y, ref, dtype)
+    for name, got, want in zip(("dx", "dw", "db"), grads, ref_grads):
+        if name in ("dx", "dw") and shape[-1] == 1:
+            # one column: y = bias and dx = dw = 0 exactly; computed as rstd * (rounding noise), rstd = eps^-1/2 = 316
+            assert got.abs().max().item() < 1e-2
+            continue
+        check_close(name, got, want, dtype)
+
+
+def test_without_affine_parameters(device, dtype, impl):
+    if impl == "npu":
+        pytest.skip("layer_norm has no npu implementation")
+    inputs, dy, ref, ref_grads = _case((4, 3, 77), device, dtype, affine=False)
+    y, (dx,) = gradients(lambda x: call("layer_norm", impl, x, None, None, 1e-5), inputs, [dy])
+    check_close("y", y, ref, dtype)
+    check_close("dx", dx, ref_grads[0], dtype)
+
+
+def test_non_contiguous_and_zero_rows(device, impl):
+    if impl == "npu":
+        pytest.skip("layer_norm has no npu implementation")
+    base = torch.randn(5, 40, device=device)
+    x = base[:, ::2]  # stride 2 along the normalised dim
+    w, b = torch.randn(20, device=device), torch.randn(20, device=device)
+    check_close("y", call("layer_norm", impl, x, w, b, 1e-5), layer_norm_reference(x.cpu().double(), w.cpu().double(),
+                                                                                 b.cpu().double(), 1e-5), torch.float32)
+    empty = torch.empty(0, 20, device=device, requires_grad=True)
+    wg = w.clone().requires_grad_()
+    call("layer_norm", impl, empty, wg, b, 1e-5).sum().backward()
+    assert empty.grad.shape == (0, 20) and torch.equal(wg.grad.cpu(), torch.zeros(20))
+
+
+def test_module_and_bad_input(device):
+    norm = torchport.kernels.LayerNorm(16, device=device)
+    x = torch.randn(3, 16, device=device)
+    check_close("module", norm(x), torch.nn.functional.layer_norm(x.cpu().double(), (16,)), torch.float32)
+    with pytest.raises(ValueError, match=r"bias must have shape \[hidden\] = \[16\].*\[3, 16\].*\[15\]"):
+        torchport.kernels.layer_norm(x, torch.ones(16, device=device), torch.zeros(15, device=device))
+    with pytest.raises(TypeError, match="x has dtype torch.int32"):
+        torchport.kernels.layer_norm(x.int(), None, None)
+    with pytest.raises(ValueError, match="at least one dimension"):
+        torchport.kernels.layer_norm(torch.tensor(1.0, device=device), None, None)

@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+import torch
+
+import torchport
+from torchport.cli.main import main
+from torchport.kernels import KernelError, registry
+from torchport.kernels.rms_norm import rms_norm_reference
+from torchport.testing import npu_fused_ops
+
+
+@pytest.fixture
+def fresh_registry():
+    registry.refresh()
+    yield registry
+    registry.refresh()
+
+
+@pytest.fixture
+def failing_triton(monkeypatch, fresh_registry):
+    """rms_norm's triton implementation replaced by one that serves the cpu and fails as a compile error would."""
+    calls = []
+
+    class CompilationError(Exception):
+        pass
+
+    def broken(*args):
+        calls.append(args)
+        raise CompilationError("ptxas: out of registers (forced failure)")
+
+    impls = registry._implementations("rms_norm")
+    monkeypatch.setitem(impls, "triton", dataclasses.replace(impls["triton"], fn=broken, devices=frozenset({"cpu"})))
+    return calls
+
+
+def test_auto_mode_warns_once_and_still_answers_right(failing_triton):
+    x, w = torch.randn(3, 16), torch.randn(16)
+    with pytest.warns(RuntimeWarning, match=r"rms_norm: triton cannot run on cpu \(CompilationError: ptxas"):
+        y = torchport.kernels.rms_norm(x, w)
+    torch.testing.assert_close(y, rms_norm_reference(x, w, 1e-6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        y2 = torchport.kernels.rms_norm(x, w)  # no second warning, and the broken kernel is not retried
+    torch.testing.assert_close(y2, y)
+    assert len(failing_triton) == 1
+
+
+def test_forced_mode_raises_with_the_reason(failing_triton):
+    with torchport.settings.override(kernels="rms_norm=triton"):
+        with pytest.raises(KernelError, match=r"rms_norm: the forced implementation 'triton' failed on cpu: .*ptxas"):
+            torchport.kernels.rms_norm(torch.randn(3, 16), torch.randn(16))
+
+
+def test_unsupported_arguments_fall_back_each_time_without_being_marked_broken(monkeypatch, fresh_registry):
+    def picky(x, w, eps, offset, in_place):
+        if x.shape[-1] % 8:
+            raise registry.Unsupported("hidden size must be a multiple of 8")
+        return rms_norm_reference(x, w, eps, offset) + 1  # recognisable
+
+    impls = registry._implementations("rms_norm")
+    monkeypatch.setitem(impls, "triton", dataclasses.replace(impls["triton"], fn=picky, devices=frozenset({"cpu"})))
+    with pytest.warns(RuntimeWarning, match="multiple of 8"):
+        torchport.kernels.rms_norm(torch.randn(2, 7), torch.ones(7))
+    x = torch.randn(2, 8)
+    torch.testing.assert_close(torchport.kernels.rms_norm(x, torch.ones(8)), rms_norm_reference(x, torch.ones(8), 1e-6) + 1)
+
+
+def test_forced_choices_name_what_exists(device):
+    x, w = torch.randn(2, 8, device=device), torch.ones(8, device=device)
+    with torchport.settings.override(kernels="triton"):
+        if device.type != "cuda":
+            with pytest.raises(KernelError, match=rf"'triton' for 'rms_norm', which does not run on {device.type} "
+                                                  r"tensors; implementations: .*triton \(cuda\)"):
+                torchport.kernels.rms_norm(x, w)
+    with torchport.settings.override(kernels="layer_norm=npu"):
+        with pytest.raises(KernelError, match=r"no such implementation; it has: reference \(every device\), triton"):
+            torchport.kernels.layer_norm(x, w, None)
+    with torchport.settings.override(kernels="rms_norm=reference,rmsnorm=triton"):
+        with pytest.raises(ValueError, match=r"unknown kernel\(s\) rmsnorm; registered: geglu, layer_norm, rms_norm"):
+            torchport.kernels.rms_norm(x, w)
+    with torchport.settings.override(kernels="reference"):
+        assert registry.select("rms_norm", x.device).name == "reference"
+
+
+def test_registration_rules():
+    with pytest.raises(ValueError, match=r"'rms_norm' already has an implementation named 'triton'"):
+        registry.register_kernel("rms_norm", "triton", devices=["cuda"])(lambda *a: None)
+    with pytest.raises(ValueError, match="must serve every device"):
+        registry.register_kernel("new_op", "reference", devices=["cpu"])
+    assert registry.list_kernels()["rms_norm"] == ["triton", "npu", "reference"]
+    with pytest.raises(ValueError, match=r"unknown kernel 'rmsnorm'; registered: .*rms_norm"):
+        registry.implementation("rmsnorm", "triton")
+
+
+def test_npu_uses_torch_npu_fused_operators(npu, fresh_registry):
+    x, w = torch.randn(2, 5, 32, device=npu), torch.randn(32, device=npu)
+    q, k = torch.randn(1, 2, 5, 8, device=npu), torch.randn(1, 1, 5, 8, device=npu)
+    cos, sin = torch.randn(1, 5, 8, device=npu), torch.randn(1, 5, 8, device=npu)
+    before = dict(npu_fused_ops.calls)
+    torchport.kernels.rms_norm(x, w)
+    torchport.kernels.rope(q, k, cos, sin)
+    torchport.kernels.swiglu(x, x)
+    used = {name: npu_fused_ops.calls[name] - before.get(name, 0) for name in ("npu_rms_norm", "npu_rotary_mul",
+                                                                                "npu_swiglu")}
+    assert used == {"npu_rms_norm": 1, "npu_rotary_mul": 2, "npu_swiglu": 1}
+    rows = {(r["op"], r["device"]): r["implementation"] for r in torchport.kernels.table([npu])}
+    assert rows[("rms_norm", "npu:0")] == "npu" and rows[("layer_norm", "npu:0")] == "reference"
+
+
+def test_npu_without_a_fused_operator_falls_back(npu, fresh_registry):
+    x, w = torch.randn(2, 32, device=npu), torch.randn(32, device=npu)
+    with npu_fused_ops.only(["npu_swiglu"]):
+        registry.refresh()
+        with pytest.warns(RuntimeWarning, match="npu software stack has no fused operator npu_rms_norm"):
+            y = torchport.kernels.rms_norm(x, w)
+        torch.testing.assert_close(y.cpu(), rms_norm_reference(x.cpu(), w.cpu(), 1e-6))
+        with torchport.settings.override(kernels="npu"):
+            with pytest.raises(KernelError, match="forced implementation 'npu' cannot run on npu: .*npu_rms_norm"):
+                torchport.kernels.rms_norm(x, w)
+        row = [r for r in torchport.kernels.table([npu]) if r["op"] == "rms_norm"][0]
+        assert row["implementation"] == "reference" and "npu_rms_norm" in row["notes"][0]
+
+
+def test_kernels_command(capsys):
+    assert main(["kernels", "--json", "--device", "cpu"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert {r["op"] for r in rows} == {"rms_norm", "layer_norm", "rope", "swiglu", "geglu"}
+    assert all(r["device"] == "cpu" and r["implementation"] == "reference" for r in rows)
+    assert main(["kernels"]) == 0
+    assert "rms_norm" in capsys.readouterr().out
+    assert main(["kernels", "--device", "gpu"]) == 2
+    assert "--device='gpu' is not a device type" in capsys.readouterr().err

@@ -1,0 +1,88 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torchport
+from torchport.kernels.rms_norm import rms_norm_reference
+
+from kernel_cases import call, check_close, gradients, leaf
+
+SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
+
+
+def _case(shape, device, dtype, offset=0.0, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=gen, dtype=torch.float64) * 3 + 0.5
+    w = torch.randn(shape[-1], generator=gen, dtype=torch.float64)
+    dy = torch.randn(shape, generator=gen, dtype=torch.float64)
+    ref, (ref_dx, ref_dw) = gradients(lambda a, b: rms_norm_reference(a, b, 1e-6, offset),
+                                      [x.clone().requires_grad_(), w.clone().requires_grad_()], [dy])
+    return (leaf(x, device, dtype), leaf(w, device, dtype), dy.to(device, dtype)), (ref, ref_dx, ref_dw)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+def test_forward_backward_against_float64(shape, offset, device, dtype, impl):
+    (x, w, dy), (ref, ref_dx, ref_dw) = _case(shape, device, dtype, offset)
+    y, (dx, dw) = gradients(lambda a, b: call("rms_norm", impl, a, b, 1e-6, offset, False), [x, w], [dy])
+    assert y.dtype == dtype and y.device == x.device
+    check_close("y", y, ref, dtype)
+    check_close("dx", dx, ref_dx, dtype)
+    check_close("dw", dw, ref_dw, dtype)
+
+
+def test_non_contiguous_input(device, dtype, impl):
+    (x, w, dy), (ref, ref_dx, ref_dw) = _case((6, 4, 33), device, dtype)
+    # the same values, laid out transposed: x_t.transpose(0, 1) is x, but not contiguous
+    x_t = leaf(x.detach().transpose(0, 1).contiguous(), device, dtype)
+    y, (dx_t, dw) = gradients(lambda a, b: call("rms_norm", impl, a.transpose(0, 1), b, 1e-6, 0.0, False),
+                              [x_t, w], [dy])
+    check_close("y", y, ref, dtype)
+    check_close("dx", dx_t.transpose(0, 1), ref_dx, dtype)
+    check_close("dw", dw, ref_dw, dtype)
+
+
+def test_in_place_gradient_matches(device, dtype, impl):
+    (x, w, dy), (_, ref_dx, ref_dw) = _case((3, 5, 64), device, dtype)
+    y = call("rms_norm", impl, x, w, 1e-6, 0.0, True)
+    y.backward(dy.clone())
+    check_close("dx", x.grad, ref_dx, dtype)
+    check_close("dw", w.grad, ref_dw, dtype)
+
+
+def test_zero_rows(device, impl):
+    x = torch.empty(0, 33, device=device, requires_grad=True)
+    w = torch.ones(33, device=device, requires_grad=True)
+    y = call("rms_norm", impl, x, w, 1e-6, 0.0, False)
+    y.sum().backward()
+    assert y.shape == (0, 33)
+    assert x.grad.shape == (0, 33)
+    assert torch.equal(w.grad.cpu(), torch.zeros(33))
+
+
+def test_public_function_and_module(device):
+    x = torch.randn(4, 7, 96, device=device)
+    norm = torchport.kernels.RMSNorm(96, eps=1e-5, offset=1.0, device=device)
+    assert torch.equal(norm.weight.cpu(), torch.zeros(96))  # Gemma form: weights start at 0, scale 1 + w
+    out = norm(x)
+    ref = rms_norm_reference(x.cpu().double(), norm.weight.detach().cpu().double(), 1e-5, 1.0)
+    check_close("module", out.cpu(), ref, torch.float32)
+    assert torchport.kernels.rms_norm(x, norm.weight.detach(), 1e-5, 1.0).shape == x.shape
+
+
+def test_bad_input_names_shapes_and_dtypes(device):
+    x = torch.randn(2, 8, device=device)
+    with pytest.raises(ValueError, match=r"weight must have shape \[hidden\] = \[8\].*\[2, 8\].*\[7\]"):
+        torchport.kernels.rms_norm(x, torch.ones(7, device=device))
+    with pytest.raises(ValueError, match=r"\[8, 1\]"):
+        torchport.kernels.rms_norm(x, torch.ones(8, 1, device=device))
+    with pytest.raises(TypeError, match="x has dtype torch.int64; allowed: float32, bfloat16, float16"):
+        torchport.kernels.rms_norm(torch.ones(2, 8, dtype=torch.long, device=device), torch.ones(8, device=device))
+    with pytest.raises(TypeError, match="weight must be a tensor"):
+        torchport.kernels.rms_norm(x, [1.0] * 8)
+
+
+def test_tensors_on_different_devices(npu):
+    with pytest.raises(ValueError, match=r"one device, got x on npu:0, weight on cpu"):
+        torchport.kernels.rms_norm(torch.randn(2, 8, device=npu), torch.ones(8))
