@@ -148,6 +148,9 @@ class _GluFunction(torch.autograd.Function):
         except Exception as exc:
             dgate, dup = registry.backward_fallback("geglu" if gelu else "swiglu", "triton", exc, was_forced, reference,
                                                     (gate, up), (dout,))
+        # New views of the buffers: autograd hands them on without copying (it would copy ``gate``/``up`` themselves,
+        # which other references still hold).
+        dgate, dup = (None if t is None else t.view(t.shape) for t in (dgate, dup))
         return dgate, dup, None, None, None
 
 
