@@ -610,7 +610,9 @@ def git_commit() -> str | None:
     import subprocess
 
     try:
-        run = lambda *cmd: subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+        def run(*cmd: str) -> str:
+            return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
+
         return run("git", "rev-parse", "--short", "HEAD") + (" (modified)" if run("git", "status", "--porcelain") else "")
     except (OSError, subprocess.CalledProcessError):
         return None
