@@ -43,6 +43,15 @@ def test_non_contiguous_input(device, dtype, impl):
     check_close("dw", dw, ref_dw, dtype)
 
 
+def test_strided_weight(device, dtype, impl):
+    (x, w, dy), (ref, ref_dx, ref_dw) = _case((3, 40), device, dtype)
+    wide = leaf(torch.stack([w.detach(), torch.zeros_like(w)], dim=1).reshape(-1), device, dtype)  # w at even slots
+    y, (dx, dwide) = gradients(lambda a, b: call("rms_norm", impl, a, b[::2], 1e-6, 0.0, False), [x, wide], [dy])
+    check_close("y", y, ref, dtype)
+    check_close("dw", dwide[::2], ref_dw, dtype)
+    assert torch.count_nonzero(dwide[1::2].cpu()) == 0
+
+
 def test_in_place_gradient_matches(device, dtype, impl):
     (x, w, dy), (_, ref_dx, ref_dw) = _case((3, 5, 64), device, dtype)
     y = call("rms_norm", impl, x, w, 1e-6, 0.0, True)

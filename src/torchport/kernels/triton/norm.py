@@ -304,13 +304,18 @@ def _check_dtype(*tensors: torch.Tensor | None) -> None:
             raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
 
 
+def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
+    """The kernels index weight and bias as contiguous vectors (a strided view is copied; autograd follows)."""
+    return t if t is None or t.stride(-1) == 1 or t.numel() <= 1 else t.contiguous()
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool,
              reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight)
-    return _NormFunction.apply(x, weight, None, eps, offset, True, in_place, reference)
+    return _NormFunction.apply(x, _dense(weight), None, eps, offset, True, in_place, reference)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight, bias)
-    return _NormFunction.apply(x, weight, bias, eps, 0.0, False, False, reference)
+    return _NormFunction.apply(x, _dense(weight), _dense(bias), eps, 0.0, False, False, reference)
