@@ -20,11 +20,11 @@ from typing import Any
 from .budget import format_bytes, parse_budget
 from .disk import open_tier, write_tier
 from .placement import BlockPlacement, Placement, find_blocks
-from .runtime import offload, placement, plan
+from .runtime import evict_disk_tier, offload, placement, plan
 from .stack import measure_stack
 
-__all__ = ["BlockPlacement", "Placement", "find_blocks", "format_bytes", "measure_stack", "offload", "open_tier",
-           "parse_budget", "placement", "plan", "write_tier"]
+__all__ = ["BlockPlacement", "Placement", "evict_disk_tier", "find_blocks", "format_bytes", "measure_stack",
+           "offload", "open_tier", "parse_budget", "placement", "plan", "write_tier"]
 
 
 class _CallableModule(types.ModuleType):

@@ -5,11 +5,18 @@ manifest ``torchport-offload.json`` records each file's size and BLAKE2b digest;
 before mapping a file, so a truncated or corrupted tier is refused instead of computing with wrong weights.
 Tensors are views of a private (copy-on-write) memory map of the file: nothing is read until a block is copied
 to the device.
+
+A block is read with :meth:`DiskBlock.read`: copy out of the map, then drop this process's mapping of the pages
+(``madvise(MADV_DONTNEED)``). The process therefore holds no copy of a disk-tier block between forwards: each
+forward reads the file again, from the page cache if the kernel kept the pages there, from the disk otherwise.
+:func:`evict` removes the pages from the page cache too and checks with ``mincore`` that they are gone, which is
+how benchmarks time reads from the disk itself. Disk-tier weights are read-only: writes into them are not kept.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import dataclasses
 import errno
 import hashlib
@@ -18,13 +25,15 @@ import mmap
 import os
 import shutil
 import struct
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 import torch
 
 from .budget import format_bytes
 
-__all__ = ["DiskBlock", "MANIFEST", "check_dir", "open_tier", "write_tier"]
+__all__ = ["DiskBlock", "MANIFEST", "check_dir", "evict", "open_tier", "write_tier"]
 
 MANIFEST = "torchport-offload.json"
 _FORMAT = 1
@@ -158,16 +167,128 @@ class DiskBlock:
 
     def will_need(self) -> None:
         """Ask the kernel to start reading the whole file ahead of the copy (no-op where unsupported)."""
-        advice = getattr(mmap, "MADV_WILLNEED", None)
-        if advice is not None:
-            try:
-                self._map.madvise(advice)
-            except OSError:
-                pass
+        self._advise("MADV_WILLNEED")
+
+    def release(self) -> None:
+        """Drop this process's mapping of the file's pages (``MADV_DONTNEED``; no-op where unsupported). The
+        tensors stay valid: the next access reads the file again. The page cache may still hold the pages."""
+        self._advise("MADV_DONTNEED")
+
+    def read(self, pieces: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy each ``(key, destination)``'s bytes from the file into the destination (host uint8, the tensor's
+        size), then :meth:`release` the mapping, so that the next read goes to the file again."""
+        self.will_need()
+        try:
+            for key, dst in pieces:
+                dst.copy_(self.raw(key))
+        finally:
+            self.release()
+
+    def evict(self) -> bool:
+        """Drop the file's pages from this process's mapping and from the OS page cache (Linux:
+        ``posix_fadvise(POSIX_FADV_DONTNEED)`` after ``fsync``). Returns whether the OS accepted the advice."""
+        self.release()
+        advise = getattr(os, "posix_fadvise", None)
+        if advise is None:
+            return False
+        try:
+            fd = os.open(self.path, os.O_RDONLY)
+        except OSError:
+            return False
+        try:
+            os.fsync(fd)  # dirty pages are not dropped
+            advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            return True
+        except OSError:
+            return False
+        finally:
+            os.close(fd)
+
+    def cached_bytes(self) -> int | None:
+        """Bytes of the file now in the page cache (``mincore``), or None where that cannot be known: not Linux,
+        or a file this process may not write (the kernel then reports only pages the process maps itself)."""
+        size = self.data.numel()
+        if size == 0:
+            return 0
+        if _mincore is None or not os.access(self.path, os.W_OK):
+            return None
+        page = mmap.PAGESIZE
+        pages = (size + page - 1) // page
+        vec = (ctypes.c_ubyte * pages)()
+        if _mincore(ctypes.c_void_p(self.data.data_ptr()), ctypes.c_size_t(size), vec) != 0:
+            return None
+        resident = int((torch.frombuffer(vec, dtype=torch.uint8) & 1).sum())
+        return min(resident * page, size)
 
     def contains(self, pointer: int) -> bool:
         base = self.data.data_ptr()
         return base <= pointer < base + self.data.numel()
+
+    def _advise(self, name: str) -> None:
+        advice = getattr(mmap, name, None)
+        if advice is not None and len(self._map):
+            try:
+                self._map.madvise(advice)
+            except (OSError, ValueError):
+                pass
+
+
+def _load_mincore():  # noqa: ANN202 - the libc function, or None
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_mincore = _load_mincore()
+
+
+def _drop_system_cache() -> bool:
+    """As root on Linux: write back dirty pages and drop the clean page cache (``/proc/sys/vm/drop_caches``)."""
+    if not sys.platform.startswith("linux") or getattr(os, "geteuid", lambda: -1)() != 0:
+        return False
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("1\n")
+        return True
+    except OSError:
+        return False
+
+
+def evict(blocks: Iterable[DiskBlock], *, tolerance: float = 0.01) -> dict[str, Any]:
+    """Make the next read of these disk-tier files come from the disk: drop them from this process's mapping and
+    from the page cache, then check with ``mincore`` how much is still cached. When some is and this process runs
+    as root, also ``sync`` and drop the whole clean page cache (``/proc/sys/vm/drop_caches``), and check again.
+
+    Returns:
+        ``{"bytes", "cached_bytes" (None: could not be checked), "verified" (at most ``tolerance`` of the bytes
+        still cached), "method"}``.
+
+    Example:
+        >>> evict(open_tier("/nvme/tier").values())
+        {'bytes': 4127195136, 'cached_bytes': 0, 'verified': True, 'method': 'madvise+fadvise'}
+    """
+    blocks = list(blocks)
+    total = sum(b.data.numel() for b in blocks)
+    accepted = all([b.evict() for b in blocks])
+    method = "madvise(MADV_DONTNEED)+posix_fadvise(DONTNEED)" if accepted else "madvise(MADV_DONTNEED)"
+
+    def cached() -> int | None:
+        counts = [b.cached_bytes() for b in blocks]
+        return None if any(c is None for c in counts) else sum(counts)
+
+    left = cached()
+    if (left is None or left > tolerance * total) and _drop_system_cache():
+        method += "+drop_caches"
+        left = cached()
+    return {"bytes": total, "cached_bytes": left, "verified": left is not None and left <= tolerance * total,
+            "method": method}
 
 
 def _digest(path: str) -> str:

@@ -15,7 +15,10 @@ How an offloaded block runs (stream mode, on devices with streams such as CUDA a
   records ``free`` and points the parameters back at their home tier.
 - Host-tier blocks are copied from pinned memory with one asynchronous copy. Disk-tier blocks are read by one
   worker thread from the file's memory map into one of two pinned staging buffers, then copied to the slot; a
-  staging buffer is reused only after the copy out of it finished (its own event).
+  staging buffer is reused only after the copy out of it finished (its own event). After each read the process
+  drops its mapping of the file's pages, so no copy of a disk-tier block stays in the process between forwards:
+  every forward reads the files again (from the page cache while the kernel keeps the pages there, from the disk
+  once they are evicted; :func:`evict_disk_tier` evicts them, for measurements).
 
 Parameters are re-pointed by replacing the entries of each submodule's ``_parameters`` with cached ``Parameter``
 views, not by assigning ``param.data``: on devices registered from Python (the simulated NPU) a tensor's data lives
@@ -44,10 +47,10 @@ from ..backends import Backend
 from ..backends.cpu import host_memory
 from ..device import DeviceLike, resolve
 from .budget import Budget, parse_budget
-from .disk import DiskBlock, check_dir, open_tier, write_tier
+from .disk import DiskBlock, check_dir, evict, open_tier, write_tier
 from .placement import Blocks, ModelBlocks, Placement, aligned, find_blocks, place
 
-__all__ = ["offload", "placement", "plan"]
+__all__ = ["evict_disk_tier", "offload", "placement", "plan"]
 
 logger = logging.getLogger("torchport")
 
@@ -92,14 +95,16 @@ class _Block:
 
     def fill(self, dst: torch.Tensor) -> None:
         """Copy the block's bytes from the disk tier into ``dst`` (host, at least ``nbytes``), synchronously."""
-        self.disk.will_need()
-        for p in self.params:
-            dst[p.offset:p.offset + p.nbytes].copy_(self.disk.raw(p.key))
+        self.disk.read((p.key, dst[p.offset:p.offset + p.nbytes]) for p in self.params)
 
     def fill_views(self, views: dict[str, nn.Parameter]) -> None:
         """Copy the block's parameters from its tier into ``views`` (on any device), synchronously."""
-        for p in self.params:
-            views[p.key].copy_(self.home[p.key])
+        try:
+            for p in self.params:
+                views[p.key].copy_(self.home[p.key])
+        finally:
+            if self.disk is not None:
+                self.disk.release()  # the next forward reads the file again
 
 
 def _layout(block_name: str, module: nn.Module, own: list[nn.Parameter]) -> list[_Param]:
@@ -233,6 +238,11 @@ class OffloadState:
             slot.free.record(self.backend.current_stream(self.index))
         block = self.offloaded[index]
         block.bind(block.home)
+
+    def reset(self) -> None:
+        """Wait for the reads in flight and forget the blocks fetched ahead: the next forward fetches every
+        offloaded block itself."""
+        self._drain()
 
     def close(self) -> None:
         self._drain()
@@ -474,6 +484,33 @@ def _build(model: nn.Module, backend: Backend, index: int, found: ModelBlocks, r
     state.places = {name: [place for p in _layout(name, module, own) for place in p.places]
                     for name, module, own in zip(found.names, found.modules, found.params)}
     return state, changes
+
+
+def evict_disk_tier(model: nn.Module) -> dict[str, Any]:
+    """Make the next forward of an offloaded model read its disk tier from the disk, not from RAM: wait for reads
+    in flight, forget blocks fetched ahead (so the next forward reads every disk-tier block itself), then drop the
+    files' pages from this process's mapping and from the page cache (as root, also the system page cache when
+    the per-file advice left pages behind) and check with ``mincore`` that they are gone.
+
+    For measurements; a model running normally needs no call (each forward reads the files, through the page cache).
+
+    Returns:
+        ``{"bytes", "cached_bytes", "verified", "method"}`` (see :func:`torchport.offload.disk.evict`);
+        ``verified`` is False when pages stayed cached or the check was not possible: reads may then come from RAM.
+
+    Example:
+        >>> torchport.offload.evict_disk_tier(model)
+        {'bytes': 4127195136, 'cached_bytes': 0, 'verified': True, 'method': '...'}
+    """
+    state: OffloadState | None = getattr(model, _ATTRIBUTE, None)
+    if state is None:
+        raise ValueError(f"{type(model).__name__} was not offloaded by torchport.offload")
+    disks = [b.disk for b in state.offloaded if b.disk is not None]
+    if not disks:
+        raise ValueError(f"{type(model).__name__} has no disk tier: offload it with disk_dir= and a host_budget "
+                         "too small for every offloaded block")
+    state.reset()
+    return evict(disks)
 
 
 def placement(model: nn.Module) -> dict[str, str]:

@@ -1,13 +1,14 @@
 """The memory tiers of this machine and their measured bandwidths: what ``torchport stack`` prints.
 
 Bandwidths are measured, not looked up: host-to-device copies from pinned and from pageable memory, and disk reads
-through the same path the disk tier uses (memory map -> host buffer), with the file's pages dropped from the page
-cache first so that the disk, not RAM, is measured.
+through the same path and the same eviction the disk tier uses: a one-block disk tier is written, and before each
+timed read :func:`torchport.offload.disk.evict` drops its pages from the process and the page cache and checks
+with ``mincore`` that they are gone; then :meth:`DiskBlock.read` copies it out of the memory map into a pinned
+buffer. When the eviction cannot be verified, a note says the figure may be RAM speed.
 """
 
 from __future__ import annotations
 
-import mmap
 import os
 import shutil
 import statistics
@@ -21,9 +22,9 @@ import torch
 from ..backends import Backend
 from ..backends.cpu import host_memory
 from ..device import DeviceLike, resolve
-from .disk import check_dir
+from .disk import check_dir, evict, open_tier, write_tier
 
-__all__ = ["drop_page_cache", "measure_stack"]
+__all__ = ["measure_stack"]
 
 
 def _time(fn: Callable[[], None], sync: Callable[[], None], iterations: int) -> float:
@@ -50,52 +51,24 @@ def _host_to_device(backend: Backend, index: int, source: torch.Tensor, pinned: 
     return source.numel() / seconds
 
 
-def drop_page_cache(path: str) -> bool:
-    """Flush a file and drop its pages from the OS page cache, so the next read comes from the disk. Returns
-    whether the OS accepted (Linux: ``posix_fadvise(POSIX_FADV_DONTNEED)``; no-op elsewhere).
-
-    Example:
-        >>> drop_page_cache("/nvme/tier/model.layers.9.safetensors")
-        True
-    """
-    advise = getattr(os, "posix_fadvise", None)
-    if advise is None:
-        return False
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        advise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        return True
-    except OSError:
-        return False
-    finally:
-        os.close(fd)
-
-
 def _disk_read(backend: Backend, folder: str, source: torch.Tensor, iterations: int) -> tuple[float, bool]:
-    path = os.path.join(folder, f".torchport-stack-{os.getpid()}.bin")
+    tier = os.path.join(folder, f".torchport-stack-{os.getpid()}")
+    os.makedirs(tier)
     try:
-        with open(path, "wb") as f:
-            f.write(memoryview(source.numpy()))
+        write_tier(tier, [("stack", {"data": source})], progress=False)
+        block = open_tier(tier, verify=False)["stack"]
         staging = backend.empty_pinned(source.numel())
-        dropped = True
+        verified = True
         times = []
         for _ in range(iterations):
-            dropped = drop_page_cache(path) and dropped
+            verified = evict([block])["verified"] and verified
             start = time.perf_counter()
-            with open(path, "rb") as f:
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            if hasattr(mmap, "MADV_WILLNEED"):
-                mapped.madvise(mmap.MADV_WILLNEED)
-            view = torch.frombuffer(mapped, dtype=torch.uint8)
-            staging.copy_(view)
+            block.read([("data", staging)])
             times.append(time.perf_counter() - start)
-            del view
-            mapped.close()
-        return source.numel() / statistics.median(times), dropped
+        del block
+        return source.numel() / statistics.median(times), verified
     finally:
-        if os.path.exists(path):
-            os.remove(path)
+        shutil.rmtree(tier, ignore_errors=True)
 
 
 def measure_stack(
@@ -150,8 +123,10 @@ def measure_stack(
         out["disk"] = {"path": folder if not temporary else f"{folder} (temporary)", "total": usage.total,
                        "free": usage.free}
         bandwidth["disk_read"], dropped = _disk_read(backend, folder, source, iterations)
+        out["disk"]["page_cache_dropped"] = dropped
         if not dropped:
-            notes.append("the page cache could not be dropped before reading: the disk figure may be RAM speed")
+            notes.append("page cache not dropped (or not verifiable) before reading: the disk figure is an upper "
+                         "bound and may be RAM speed")
     finally:
         if temporary:
             shutil.rmtree(folder, ignore_errors=True)
