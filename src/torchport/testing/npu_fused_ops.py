@@ -78,3 +78,42 @@ def only(names: Iterable[str]) -> Iterator[None]:
     finally:
         enabled.clear()
         enabled.update(saved)
+
+
+def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
+                           reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
+                           lse_square_scale_for_zloss: float = 0.0,
+                           return_zloss: bool = False) -> tuple[torch.Tensor, ...]:
+    """``torch_npu.npu_cross_entropy_loss`` -> ``(loss, log_prob, zloss, lse_for_zloss)``.
+
+    Contract (torch_npu documentation): input ``[N, C]`` fp16/bf16/fp32 with 0 < N <= 200000; target int64 in
+    ``[0, C)``; ignore_index < C, a negative one ignoring nothing; loss in input's dtype (``[N]`` for "none", else
+    one element); log_prob ``[N, C]``; z-loss documented as not supported yet (its outputs are empty).
+    """
+    calls["npu_cross_entropy_loss"] += 1
+    if input.dim() != 2 or not 0 < input.shape[0] <= 200_000:
+        raise RuntimeError(f"npu_cross_entropy_loss: input must be [N, C] with 0 < N <= 200000, got {list(input.shape)}")
+    if target.dtype != torch.int64 or target.shape != input.shape[:1]:
+        raise RuntimeError("npu_cross_entropy_loss: target must be int64 of shape [N]")
+    if ((target < 0) | (target >= input.shape[1])).any():
+        raise RuntimeError("npu_cross_entropy_loss: target values must lie in [0, C)")
+    if lse_square_scale_for_zloss or return_zloss:
+        raise RuntimeError("npu_cross_entropy_loss: z-loss is not supported")
+    log_prob = torch.log_softmax(input.float(), dim=-1)
+    loss = F.nll_loss(log_prob, target, weight, ignore_index=ignore_index if ignore_index >= 0 else -(2**62),
+                      reduction=reduction)
+    if label_smoothing:
+        smooth = -log_prob.mean(-1)
+        if ignore_index >= 0:
+            smooth = torch.where(target == ignore_index, torch.zeros_like(smooth), smooth)
+        smooth = smooth if reduction == "none" else smooth.sum() if reduction == "sum" else smooth.mean()
+        loss = (1 - label_smoothing) * loss + label_smoothing * smooth
+    loss = loss.to(input.dtype)
+    if reduction != "none":
+        loss = loss.reshape(1)
+    empty = input.new_empty(0)
+    return loss, log_prob.to(input.dtype), empty, empty
+
+
+OPS[npu_cross_entropy_loss.__name__] = npu_cross_entropy_loss
+enabled.add(npu_cross_entropy_loss.__name__)

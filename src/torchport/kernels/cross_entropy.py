@@ -1,0 +1,241 @@
+"""Cross-entropy of logits against class targets, as ``torch.nn.functional.cross_entropy``, plus an optional z-loss.
+
+For row ``i`` with logits ``x`` (``V`` classes), target ``t`` and ``lse = logsumexp(x)``:
+
+    loss_i = (1 − ε)·(lse − x_t) + ε·(lse − mean(x)) + z·lse²        (0 for rows whose target is ignore_index)
+
+with ``ε = label_smoothing`` and ``z = z_loss``. ``reduction="mean"`` divides the sum by the number of non-ignored
+rows, so the z-term of a mean is exactly ``z · mean(lse²)`` over non-ignored rows (PaLM's z-loss; liger-kernel's
+``lse_square_scale``); ``"sum"`` sums the rows, ``"none"`` returns them. Without z-loss this is
+``F.cross_entropy(logits, target, ignore_index=..., label_smoothing=..., reduction=...)`` exactly, with one
+deliberate difference: a mean over rows that are all ignored is 0 (gradients 0), where PyTorch returns NaN.
+
+Implementations:
+
+* ``triton`` on CUDA/ROCm (:mod:`torchport.kernels.triton.cross_entropy` counts its bytes): an online softmax over
+  the vocabulary in chunks (any vocabulary size, no float32 copy of the logits), with the gradient computed in
+  the forward pass. The backward only multiplies it by the upstream gradient, and skips even that when the
+  upstream gradient is 1.
+* ``npu`` on Ascend through ``torch_npu.npu_cross_entropy_loss(input, target, weight, reduction, ignore_index,
+  label_smoothing, ...)``, called per row (``reduction="none"``) with ignored rows masked here, because its
+  contract takes targets in ``[0, C)`` and treats a negative ignore_index as "ignore nothing". Its z-loss is
+  documented as not yet supported, so calls with ``z_loss`` use the reference.
+* ``reference``: plain PyTorch in float32 (float64 for float64 logits) everywhere else and as the fallback.
+
+Where the gradient lives (``in_place``): the Triton kernel writes the gradient while the logits are in registers.
+By default it goes into a new buffer of the logits' size, allocated in the forward and handed to autograd as the
+logits' gradient in the backward (so it costs no more than the gradient autograd would allocate, only earlier).
+``in_place=True`` writes it over the logits themselves, saving that N·V buffer (2 GiB for 8192 x 128256 bf16):
+only correct when nothing reads the logits after the loss, e.g. logits that come straight out of the LM head
+(the matmul's backward needs its inputs, not its output). An autograd node that saved the logits (a softcap's
+tanh) then fails loudly; plain Python reads of the logits see the gradient.
+
+The targets are checked on the host before any kernel runs (one synchronisation per call): a target outside
+``[0, V)`` that is not ``ignore_index`` is a ``ValueError``, never a device-side assert.
+
+Example:
+    >>> loss = torchport.kernels.cross_entropy(logits.view(-1, vocab), labels.view(-1), ignore_index=-100)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from . import registry
+from .checks import check_floating, check_same_device, widen
+
+__all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "loss_and_grad_reference"]
+
+REDUCTIONS = ("mean", "sum", "none")
+
+
+def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+             z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(per-row loss, lse, non-ignored mask, safe target) for ``[N, V]`` logits already in float32 or float64."""
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    lse = torch.logsumexp(x, dim=-1)
+    x_t = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
+    loss = lse - x_t
+    if label_smoothing:
+        loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x.mean(-1))
+    if z_loss:
+        loss = loss + z_loss * lse * lse
+    return torch.where(valid, loss, torch.zeros_like(loss)), lse, valid, safe
+
+
+@registry.register_kernel("cross_entropy", "reference")
+def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                            label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
+                            in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+    """Plain PyTorch on ``[N, V]`` logits and ``[N]`` targets, in float32 (float64 for float64 logits); the loss is
+    returned in the logits' dtype, as ``F.cross_entropy`` does."""
+    rows, _, valid, _ = _per_row(widen(logits), target, ignore_index, label_smoothing, z_loss)
+    if reduction == "none":
+        return rows.to(logits.dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / valid.sum().clamp_min(1)
+    return total.to(logits.dtype)
+
+
+def loss_and_grad_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                            z_loss: float, grad_scale: float, grad_out: torch.Tensor | None) -> torch.Tensor:
+    """Per-row losses (float32 or float64) and, into ``grad_out`` (may be ``logits``), ``grad_scale · d loss_row /
+    d logits`` — the same contract as the Triton kernel's ``loss_and_grad``, in PyTorch, for chunks of logits."""
+    x = widen(logits)
+    rows, lse, valid, safe = _per_row(x, target, ignore_index, label_smoothing, z_loss)
+    if grad_out is not None:
+        v = x.shape[-1]
+        grad = torch.exp(x - lse.unsqueeze(-1))
+        if z_loss:
+            grad.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(-1))
+        if label_smoothing:
+            grad.sub_(label_smoothing / v)
+        grad.scatter_add_(-1, safe.unsqueeze(-1), torch.full_like(lse, label_smoothing - 1.0).unsqueeze(-1))
+        grad.mul_((valid.to(grad.dtype) * grad_scale).unsqueeze(-1))
+        grad_out.copy_(grad)
+    return rows
+
+
+@registry.register_kernel("cross_entropy", "triton", devices=["cuda"], priority=20)
+def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                          label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
+                          in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+    from .triton import cross_entropy as kernel
+
+    if n_valid is None:
+        n_valid = int((target != ignore_index).sum())
+    return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid)
+
+
+_NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
+
+
+@registry.register_kernel("cross_entropy", "npu", devices=["npu"], priority=10,
+                          requires=registry.fused_op_reason("npu_cross_entropy_loss"))
+def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
+                       label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
+                       in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+    if z_loss:
+        raise registry.Unsupported("torch_npu.npu_cross_entropy_loss does not support z-loss yet")
+    if not 0 < logits.shape[0] <= _NPU_MAX_ROWS:
+        raise registry.Unsupported(f"torch_npu.npu_cross_entropy_loss takes 1 to {_NPU_MAX_ROWS} rows, "
+                                   f"not {logits.shape[0]}")
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise registry.Unsupported(f"torch_npu.npu_cross_entropy_loss takes float32, bfloat16 or float16, "
+                                   f"not {logits.dtype}")
+    op = registry.fused_op("npu_cross_entropy_loss", logits.device)
+    # Targets must lie in [0, C): ignored rows get class 0 and are masked out of the loss (and so the gradient).
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target)).long()
+    rows = op(logits, safe, None, "none", -1, float(label_smoothing))[0]
+    rows = torch.where(valid, rows.float(), torch.zeros((), dtype=torch.float32, device=rows.device))
+    if reduction == "none":
+        return rows.to(logits.dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / valid.sum().clamp_min(1)
+    return total.to(logits.dtype)
+
+
+def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> int:
+    """The number of non-ignored targets; a ``ValueError`` when one is outside ``[0, vocab)`` and not
+    ``ignore_index``. Runs on the host's view of the targets (one synchronisation), before any kernel reads them."""
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab))
+    n_bad, n_valid = (int(c) for c in torch.stack([bad.sum(), valid.sum()]).tolist())
+    if n_bad:
+        examples = sorted({int(t) for t in target[bad][:5].tolist()})
+        raise ValueError(
+            f"{op}: {n_bad} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. "
+            f"{', '.join(map(str, examples))}; targets must be class indices below the vocabulary size {vocab} "
+            f"or ignore_index"
+        )
+    return n_valid
+
+
+def check_options(op: str, label_smoothing: float, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"{op}: reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
+
+
+def check_target_tensor(op: str, target: torch.Tensor, expected: torch.Size, what: str) -> torch.Tensor:
+    """``target`` as int64, after checking it is an integer tensor of shape ``expected``."""
+    if not isinstance(target, torch.Tensor):
+        raise TypeError(f"{op}: target must be a tensor, got {type(target).__name__}")
+    if target.is_floating_point() or target.is_complex() or target.dtype == torch.bool:
+        raise TypeError(f"{op}: target has dtype {target.dtype}; allowed: integer class indices (int64, int32, ...)")
+    if target.shape != expected:
+        raise ValueError(f"{op}: target must have shape {list(expected)} ({what}), got {list(target.shape)}")
+    return target.long()
+
+
+def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
+                  reduction: str = "mean", *, z_loss: float = 0.0, in_place: bool = False) -> torch.Tensor:
+    """Cross-entropy of ``logits`` against class indices ``target`` (see the module docstring for the formula).
+
+    Args:
+        logits: ``[N, V]`` or ``[B, T, V]`` (any leading dims), float32, bfloat16 or float16.
+        target: integer class indices with the logits' leading shape (``[N]`` or ``[B, T]``).
+        ignore_index: rows with this target contribute nothing (and are not counted by a mean).
+        label_smoothing: ε in [0, 1], as ``F.cross_entropy``.
+        reduction: ``"mean"`` (over non-ignored rows; 0 when all are ignored), ``"sum"`` or ``"none"``.
+        z_loss: weight of ``lse²`` added to each non-ignored row's loss (0 disables it).
+        in_place: let the Triton kernel write the gradient over ``logits`` instead of a new buffer (saves one
+            logits-sized buffer; only when nothing reads the logits afterwards — see the module docstring).
+
+    Returns:
+        A scalar in the logits' dtype, or for ``"none"`` the per-row losses with ``target``'s shape.
+
+    Example:
+        >>> loss = cross_entropy(torch.randn(8, 1000, requires_grad=True), torch.randint(0, 1000, (8,)))
+        >>> loss.backward()
+    """
+    op = "cross_entropy"
+    check_floating(op, logits=logits)
+    if logits.dim() < 2:
+        raise ValueError(f"{op}: logits must be [N, V] or [B, T, V], got shape {list(logits.shape)}")
+    target = check_target_tensor(op, target, logits.shape[:-1], "the logits' shape without the vocabulary dim")
+    check_same_device(op, logits=logits, target=target)
+    check_options(op, label_smoothing, reduction)
+    if z_loss < 0:
+        raise ValueError(f"{op}: z_loss={z_loss} must be >= 0")
+    vocab = logits.shape[-1]
+    if vocab == 0:
+        raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
+    rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
+    n_valid = check_targets(op, flat, vocab, ignore_index)
+    loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
+                         float(z_loss), bool(in_place), n_valid)
+    return loss.view(target.shape) if reduction == "none" else loss
+
+
+class CrossEntropyLoss(nn.Module):
+    """``nn.Module`` form of :func:`cross_entropy` (a drop-in for ``nn.CrossEntropyLoss`` without class weights).
+
+    Example:
+        >>> criterion = CrossEntropyLoss(ignore_index=-100, z_loss=1e-4)
+        >>> loss = criterion(logits.view(-1, vocab), labels.view(-1))
+    """
+
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", *,
+                 z_loss: float = 0.0, in_place: bool = False) -> None:
+        super().__init__()
+        check_options("CrossEntropyLoss", label_smoothing, reduction)
+        self.ignore_index = ignore_index
+        self.label_smoothing = label_smoothing
+        self.reduction = reduction
+        self.z_loss = z_loss
+        self.in_place = in_place
+
+    def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction,
+                             z_loss=self.z_loss, in_place=self.in_place)
+
+    def extra_repr(self) -> str:
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, in_place={self.in_place}")

@@ -1,0 +1,195 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import torchport
+from torchport.kernels import Unsupported, registry
+from torchport.kernels.cross_entropy import check_targets
+
+from kernel_cases import call, check_close, forced
+
+IGNORE = -100
+SHAPES = [(1, 1000), (7, 32003), (33, 1000)]  # vocabularies that are not powers of two, one wider than a chunk
+OPTIONS = {"plain": (0.0, 0.0), "smooth+z": (0.1, 1e-3)}
+
+
+def expected(x: torch.Tensor, t: torch.Tensor, smoothing: float, z: float, reduction: str) -> torch.Tensor:
+    """F.cross_entropy in float64, plus z · lse² per non-ignored row; a mean over no rows is 0 (PyTorch: NaN)."""
+    valid = t != IGNORE
+    rows = F.cross_entropy(x, t, ignore_index=IGNORE, label_smoothing=smoothing, reduction="none")
+    rows = rows + torch.where(valid, z * torch.logsumexp(x, -1) ** 2, torch.zeros_like(rows))
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    return total / valid.sum().clamp_min(1) if reduction == "mean" else total
+
+
+def make(n: int, v: int, ignored: str, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, v, generator=gen, dtype=torch.float64) * 2
+    t = torch.randint(0, v, (n,), generator=gen)
+    if ignored == "some":
+        t[::3] = IGNORE
+    elif ignored == "all":
+        t[:] = IGNORE
+    return x, t
+
+
+def run(impl: str, x: torch.Tensor, t: torch.Tensor, smoothing: float, z: float, reduction: str,
+        in_place: bool = False) -> torch.Tensor:
+    n_valid = check_targets("test", t, x.shape[-1], IGNORE)
+    return call("cross_entropy", impl, x, t, IGNORE, smoothing, reduction, z, in_place, n_valid)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("option", list(OPTIONS))
+def test_forward_backward_against_float64(shape, reduction, option, device, dtype, impl):
+    smoothing, z = OPTIONS[option]
+    x64, t = make(*shape, ignored="some" if shape[0] > 1 else "none")
+    x64 = x64.to(dtype).double()  # the reference sees the same rounded logits
+    ref_x = x64.clone().requires_grad_()
+    ref = expected(ref_x, t, smoothing, z, reduction)
+    gen = torch.Generator().manual_seed(1)
+    up = torch.randn(ref.shape, generator=gen, dtype=torch.float64) if reduction == "none" else torch.tensor(0.7)
+    ref.backward(up)
+    x = x64.to(device, dtype).requires_grad_()
+    td = t.to(device)
+    if impl == "npu" and z:
+        with pytest.raises(Unsupported, match="z-loss"):
+            run(impl, x, td, smoothing, z, reduction)
+        return
+    loss = run(impl, x, td, smoothing, z, reduction)
+    assert loss.dtype == dtype and loss.device == x.device and loss.shape == ref.shape
+    loss.backward(up.to(device, dtype))
+    check_close("loss", loss, ref, dtype)
+    check_close("dlogits", x.grad, ref_x.grad, dtype)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_rows_ignored_give_zero_loss_and_gradient(reduction, device, impl):
+    x, t = make(5, 1000, ignored="all")
+    x = x.float().to(device).requires_grad_()
+    loss = run(impl, x, t.to(device), 0.1, 0.0, reduction)
+    loss.sum().backward()
+    assert torch.equal(loss.detach().cpu(), torch.zeros(loss.shape))  # F.cross_entropy's mean would be NaN
+    assert torch.equal(x.grad.cpu(), torch.zeros(5, 1000))
+
+
+def test_upstream_gradient_of_one(device, dtype, impl):
+    """``loss.backward()``: the gradient computed in the forward is handed over as it is."""
+    x64, t = make(9, 1000, ignored="some")
+    x64 = x64.to(dtype).double()
+    ref_x = x64.clone().requires_grad_()
+    expected(ref_x, t, 0.0, 0.0, "mean").backward()
+    x = x64.to(device, dtype).requires_grad_()
+    run(impl, x, t.to(device), 0.0, 0.0, "mean").backward()
+    check_close("dlogits", x.grad, ref_x.grad, dtype)
+
+
+def test_logits_kept_unless_in_place(device, impl):
+    x64, t = make(6, 1000, ignored="some")
+    ref_x = x64.clone().requires_grad_()
+    expected(ref_x, t, 0.0, 0.0, "sum").backward()
+    x = x64.float().to(device).requires_grad_()
+    kept = x.detach().clone()
+    run(impl, x, t.to(device), 0.0, 0.0, "sum").backward()
+    assert torch.equal(x.detach(), kept)  # the safe default never writes over the logits
+    if impl != "triton":
+        return
+    # in_place: the gradient goes over the logits (a non-leaf here, as an LM head's output would be)
+    leaf = x64.float().to(device).requires_grad_()
+    logits = leaf * 1.0
+    run(impl, logits, t.to(device), 0.0, 0.0, "sum", in_place=True).backward()
+    check_close("dlogits", leaf.grad, ref_x.grad, torch.float32)
+    check_close("logits hold the gradient", logits.detach(), ref_x.grad, torch.float32)
+
+
+def test_in_place_over_saved_logits_fails_loudly(device):
+    if not _triton_runs(device):
+        pytest.skip("needs the Triton implementation")
+    x = torch.randn(4, 100, device=device, requires_grad=True)
+    logits = torch.tanh(x)  # tanh saves its output for the backward
+    loss = run("triton", logits, torch.randint(0, 100, (4,), device=device), 0.0, 0.0, "mean", in_place=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
+def test_second_backward_is_refused(device):
+    if not _triton_runs(device):
+        pytest.skip("needs the Triton implementation")
+    x = torch.randn(4, 100, device=device, requires_grad=True)
+    loss = run("triton", x, torch.randint(0, 100, (4,), device=device), 0.0, 0.0, "mean")
+    loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        loss.backward()
+
+
+def _triton_runs(device: torch.device) -> bool:
+    import os
+
+    return device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")
+
+
+def test_public_function_three_dims_and_module(device):
+    x64, t = make(2 * 5, 1000, ignored="some")
+    ref_x = x64.clone().requires_grad_()
+    ref = expected(ref_x, t, 0.05, 1e-4, "mean")
+    ref.backward()
+    x = x64.float().view(2, 5, 1000).to(device).requires_grad_()
+    loss = torchport.kernels.cross_entropy(x, t.view(2, 5).to(device), label_smoothing=0.05, z_loss=1e-4)
+    loss.backward()
+    check_close("loss", loss, ref, torch.float32)
+    check_close("dlogits", x.grad.view(10, 1000), ref_x.grad, torch.float32)
+    rows = torchport.kernels.CrossEntropyLoss(reduction="none")(x.detach(), t.view(2, 5).to(device))
+    assert rows.shape == (2, 5)
+    check_close("rows", rows, expected(x64, t, 0.0, 0.0, "none").view(2, 5), torch.float32)
+
+
+def test_npu_uses_the_fused_operator(npu):
+    from torchport.testing import npu_fused_ops
+
+    x64, t = make(7, 1000, ignored="some")
+    before = npu_fused_ops.calls["npu_cross_entropy_loss"]
+    loss = torchport.kernels.cross_entropy(x64.float().to(npu), t.to(npu), label_smoothing=0.1)
+    assert npu_fused_ops.calls["npu_cross_entropy_loss"] == before + 1
+    check_close("loss", loss, expected(x64, t, 0.1, 0.0, "mean"), torch.float32)
+    with npu_fused_ops.only(()):
+        registry.refresh()
+        with forced("auto"):
+            loss = torchport.kernels.cross_entropy(x64.float().to(npu), t.to(npu), label_smoothing=0.1)
+    registry.refresh()
+    check_close("reference", loss, expected(x64, t, 0.1, 0.0, "mean"), torch.float32)
+
+
+def test_bad_input_is_a_clear_error(device):
+    x = torch.randn(4, 10, device=device)
+    t = torch.tensor([1, 2, IGNORE, 3], device=device)
+    ce = torchport.kernels.cross_entropy
+    with pytest.raises(ValueError, match=r"1 target\(s\) outside \[0, 10\) and not ignore_index=-100, e.g. 10"):
+        ce(x, torch.tensor([1, 10, IGNORE, 3], device=device))
+    with pytest.raises(ValueError, match=r"outside \[0, 10\).*e.g. -1"):
+        ce(x, torch.tensor([1, -1, IGNORE, 3], device=device))
+    with pytest.raises(ValueError, match=r"target must have shape \[4\].*got \[5\]"):
+        ce(x, torch.zeros(5, dtype=torch.long, device=device))
+    with pytest.raises(ValueError, match=r"target must have shape \[2, 3\].*got \[6\]"):
+        ce(torch.randn(2, 3, 10, device=device), torch.zeros(6, dtype=torch.long, device=device))
+    with pytest.raises(TypeError, match="logits has dtype torch.int64; allowed: float32, bfloat16, float16"):
+        ce(torch.ones(4, 10, dtype=torch.long, device=device), t)
+    with pytest.raises(TypeError, match="target has dtype torch.float32; allowed: integer"):
+        ce(x, t.float())
+    with pytest.raises(ValueError, match=r"logits must be \[N, V\] or \[B, T, V\]"):
+        ce(torch.randn(10, device=device), torch.tensor(1, device=device))
+    with pytest.raises(ValueError, match="reduction='avg'; allowed: 'mean', 'sum', 'none'"):
+        ce(x, t, reduction="avg")
+    with pytest.raises(ValueError, match=r"label_smoothing=1.5 must be in \[0, 1\]"):
+        ce(x, t, label_smoothing=1.5)
+    with pytest.raises(ValueError, match="z_loss=-1.0 must be >= 0"):
+        ce(x, t, z_loss=-1.0)
+
+
+def test_tensors_on_different_devices(npu):
+    with pytest.raises(ValueError, match=r"one device, got logits on npu:0, target on cpu"):
+        torchport.kernels.cross_entropy(torch.randn(2, 8, device=npu), torch.tensor([1, 2]))
