@@ -1,0 +1,311 @@
+"""One-line patching of Hugging Face transformers models with torchport kernels.
+
+:func:`patch` changes one model instance (its modules' forwards; weights stay), :func:`patch_transformers` changes
+the transformers classes of a family so every model of it (already built or built later) uses the kernels, and
+:func:`unpatch` puts back exactly what was there. What is replaced, per family, is data: see
+:mod:`torchport.models.families`. The kernels choose their implementation per tensor device, so a patched model
+runs on an NPU, a GPU or the CPU.
+
+Example:
+    >>> import torchport
+    >>> model = torchport.patch(AutoModelForCausalLM.from_pretrained("Qwen/Qwen3-0.6B"))
+    >>> loss = model(input_ids, labels=input_ids).loss     # no logits are materialised in training
+    >>> torchport.unpatch(model)
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+import types
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from . import ops
+from .families import FAMILIES, Family
+
+__all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "supported", "unpatch"]
+
+logger = logging.getLogger("torchport")
+
+_MISSING = object()
+_FLAGS = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
+_KERNELS = {"cross_entropy": "cross_entropy", "fused_linear_cross_entropy": "fused_linear_cross_entropy"}
+
+_lock = threading.RLock()
+# Shared attributes (a class's forward, a module's function) -> original value and who holds the patch:
+# ("transformers", family) for patch_transformers, the id of a model for patch(model, rope=True).
+_shared: dict[tuple[int, str], tuple[Any, str, Any, set[Any]]] = {}
+_models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def supported() -> list[str]:
+    """The ``config.model_type`` values :func:`patch` knows.
+
+    Example:
+        >>> "llama" in torchport.models.supported()
+        True
+    """
+    return sorted(FAMILIES)
+
+
+def _family(model_type: str | None) -> Family:
+    if model_type not in FAMILIES:
+        raise ValueError(
+            f"torchport.patch: model_type {model_type!r} is not supported; supported: {', '.join(supported())}. "
+            "Patch the kernels in by hand (torchport.kernels) or open an issue with the model's config."
+        )
+    return FAMILIES[model_type]
+
+
+def _resolve(family: Family, name: str) -> Any:
+    module = importlib.import_module(family.module)
+    value = getattr(module, name, None)
+    if value is None:
+        import transformers
+
+        raise RuntimeError(
+            f"torchport.patch: {family.module} has no {name!r} in transformers {transformers.__version__}; "
+            "this version's layout is not in torchport.models.families"
+        )
+    return value
+
+
+def _flags(given: dict[str, bool]) -> dict[str, bool]:
+    unknown = sorted(set(given) - set(_FLAGS))
+    if unknown:
+        raise TypeError(f"torchport.patch: unknown flag(s) {unknown}; flags: {', '.join(_FLAGS)}")
+    flags = {"rms_norm": True, "rope": True, "swiglu": True, "geglu": True, "cross_entropy": False,
+             "fused_linear_cross_entropy": True, **given}
+    from .. import kernels
+
+    for flag, kernel in _KERNELS.items():
+        if flags[flag] and not hasattr(kernels, kernel):
+            logger.warning("torchport.patch: torchport.kernels has no %s in this version; %s is left off",
+                           kernel, flag)
+            flags[flag] = False
+    return flags
+
+
+def _set(owner: Any, attr: str, value: Any) -> None:
+    if value is _MISSING:
+        if isinstance(owner, (type, types.ModuleType)):
+            delattr(owner, attr)
+        else:
+            owner.__dict__.pop(attr, None)
+    elif isinstance(owner, (type, types.ModuleType)):
+        setattr(owner, attr, value)
+    else:
+        owner.__dict__[attr] = value  # past nn.Module.__setattr__: a plain instance attribute
+
+
+def _hold(owner: Any, attr: str, make: Callable[[Any], Any], holder: Any) -> None:
+    """Patch a shared attribute once (``make(original)`` -> replacement) and count ``holder`` among its users."""
+    key = (id(owner), attr)
+    if key not in _shared:
+        original = vars(owner).get(attr, _MISSING)
+        _set(owner, attr, make(getattr(owner, attr, None)))
+        _shared[key] = (owner, attr, original, set())
+    _shared[key][3].add(holder)
+
+
+def _release(holder: Any) -> None:
+    with _lock:
+        for key, (owner, attr, original, holders) in list(_shared.items()):
+            holders.discard(holder)
+            if not holders:
+                _set(owner, attr, original)
+                del _shared[key]
+
+
+def _unwrap(model: Any) -> nn.Module:
+    """The transformers model inside PEFT-style wrappers (``wrapper.base_model.model``)."""
+    from transformers import PreTrainedModel
+
+    seen = set()
+    while not isinstance(model, PreTrainedModel) and id(model) not in seen:
+        seen.add(id(model))
+        inner = getattr(getattr(model, "base_model", None), "model", None)
+        if inner is None:
+            break
+        model = inner
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(
+            f"torchport.patch: expected a transformers model (or a PEFT wrapper of one), got {type(model).__name__}"
+        )
+    return model
+
+
+def _original(cls: type, attr: str = "forward") -> Any:
+    """``cls.attr`` as transformers defines it, even while patch_transformers holds it."""
+    saved = _shared.get((id(cls), attr))
+    return getattr(cls, attr) if saved is None else saved[2]
+
+
+def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, geglu: bool = True,
+          cross_entropy: bool = False, fused_linear_cross_entropy: bool = True) -> Any:
+    """Run a transformers model's norms, gated MLPs, RoPE and loss through torchport kernels.
+
+    The family comes from ``model.config.model_type`` (see :func:`supported`); PEFT wrappers are looked through.
+    Module forwards are replaced on this instance only (classes, parameters and ``state_dict`` are untouched),
+    except ``rope``: transformers calls ``apply_rotary_pos_emb`` as a module-level function, so it is replaced in
+    the family's modeling module until the last model holding it is unpatched. Patching again re-applies with the
+    new flags. Thread-safe.
+
+    Args:
+        model: a transformers model of a supported family, or a PEFT model wrapping one.
+        rms_norm: RMSNorm modules -> :func:`torchport.kernels.rms_norm` (in place where safe, see the table).
+        rope: ``apply_rotary_pos_emb`` -> :func:`torchport.kernels.rope`.
+        swiglu, geglu: gated MLPs whose activation is SiLU / tanh-GELU -> the fused kernel.
+        cross_entropy: the causal LM's loss -> :func:`torchport.kernels.cross_entropy` (logits still made).
+        fused_linear_cross_entropy: in training with labels, the loss straight from the final hidden states and
+            ``lm_head`` without logits (``output.logits`` is None then); evaluation and generation are unchanged.
+            Not applied to soft-capped logits (Gemma 2) or a LoRA-wrapped ``lm_head``.
+
+    Returns:
+        ``model`` itself.
+
+    Example:
+        >>> model = torchport.patch(AutoModelForCausalLM.from_config(config))
+    """
+    flags = _flags(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, cross_entropy=cross_entropy,
+                        fused_linear_cross_entropy=fused_linear_cross_entropy))
+    inner = _unwrap(model)
+    family = _family(getattr(inner.config, "model_type", None))
+    with _lock:
+        _unpatch_model(inner)
+        saved: list[tuple[Any, str, Any]] = []
+
+        def put(owner: Any, attr: str, value: Any) -> None:
+            saved.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
+            _set(owner, attr, value)
+
+        norm_cls = _resolve(family, family.norm.cls)
+        mlp_cls = _resolve(family, family.mlp.cls)
+        glus = frozenset(op for op in ("swiglu", "geglu") if flags[op])
+        forwards = {in_place: ops.make_norm_forward(family.norm, in_place) for in_place in (False, True)}
+        mlp_forward = ops.make_mlp_forward(family.mlp, glus, _original(mlp_cls))
+        counts = {"rms_norm": 0, "mlp": 0}
+        for name, module in inner.named_modules():
+            if flags["rms_norm"] and isinstance(module, norm_cls):
+                in_place = name.rsplit(".", 1)[-1] not in family.norm.residual_outputs
+                put(module, "forward", types.MethodType(forwards[in_place], module))
+                counts["rms_norm"] += 1
+            elif glus and isinstance(module, mlp_cls):
+                if ops.gated_kernel(getattr(module, family.mlp.act, None)) in glus:
+                    put(module, "forward", types.MethodType(mlp_forward, module))
+                    counts["mlp"] += 1
+                else:
+                    logger.info("torchport.patch: %s keeps its MLP (activation %s has no gated kernel here)",
+                                name, type(getattr(module, family.mlp.act, None)).__name__)
+        lm_cls = _resolve(family, family.causal_lm)
+        if isinstance(inner, lm_cls):
+            if flags["cross_entropy"]:
+                put(inner, "_loss_function", ops.causal_lm_loss)  # what the loss_function property returns
+            if flags["fused_linear_cross_entropy"]:
+                forward = ops.make_fused_linear_forward(_original(lm_cls), family.softcap)
+                put(inner, "forward", types.MethodType(forward, inner))
+                if family.softcap and getattr(inner.config, family.softcap, None) is not None:
+                    logger.warning("torchport.patch: %s soft-caps its logits (%s=%s); the fused linear "
+                                   "cross-entropy does not, so this model's loss keeps its logits",
+                                   type(inner).__name__, family.softcap, getattr(inner.config, family.softcap))
+        if flags["rope"]:
+            _hold(importlib.import_module(family.module), family.rope, ops.make_rope, id(inner))
+        # A model dropped without unpatch() still gives back its hold on the shared rope function.
+        finalizer = weakref.finalize(inner, _release, id(inner))
+        inner.__dict__["_torchport_patch"] = (saved, finalizer)
+        _models.add(inner)
+        logger.info("torchport.patch: %s (%s): %d norms, %d MLPs, flags %s", type(inner).__name__,
+                    inner.config.model_type, counts["rms_norm"], counts["mlp"],
+                    ", ".join(flag for flag, on in flags.items() if on))
+    return model
+
+
+def patch_transformers(model_type: str | None = None, **flags: bool) -> list[str]:
+    """Patch transformers' classes for one family (or every supported one): every model of it, built before or
+    after, runs the kernels, and :func:`unpatch` (with no model) restores them.
+
+    Norms are patched at the class level, where a norm does not know its place in the layer: for families with
+    norms feeding the residual stream (``residual_outputs`` in the table) every norm then runs with
+    ``in_place=False``. Flags as for :func:`patch`.
+
+    Returns:
+        The families patched.
+
+    Example:
+        >>> torchport.patch_transformers("llama")
+        ['llama']
+        >>> model = AutoModelForCausalLM.from_config(LlamaConfig(...))   # built with torchport forwards
+    """
+    chosen = supported() if model_type is None else [model_type]
+    families = {name: _family(name) for name in chosen}
+    flags = _flags(flags)
+    glus = frozenset(op for op in ("swiglu", "geglu") if flags[op])
+    with _lock:
+        for name, family in families.items():
+            holder = ("transformers", name)
+            _release(holder)  # patching again applies the new flags
+            module = importlib.import_module(family.module)
+            if flags["rms_norm"]:
+                in_place = not family.norm.residual_outputs
+                _hold(_resolve(family, family.norm.cls), "forward",
+                      lambda _: ops.make_norm_forward(family.norm, in_place), holder)
+            if glus:
+                _hold(_resolve(family, family.mlp.cls), "forward",
+                      lambda original: ops.make_mlp_forward(family.mlp, glus, original), holder)
+            if flags["rope"]:
+                _hold(module, family.rope, ops.make_rope, holder)
+            lm_cls = _resolve(family, family.causal_lm)
+            if flags["cross_entropy"]:
+                # The loss_function property returns self._loss_function when there is one; a staticmethod keeps
+                # the class attribute from binding self.
+                _hold(lm_cls, "_loss_function", lambda _: staticmethod(ops.causal_lm_loss), holder)
+            if flags["fused_linear_cross_entropy"]:
+                _hold(lm_cls, "forward", lambda original: ops.make_fused_linear_forward(original, family.softcap),
+                      holder)
+    logger.info("torchport.patch_transformers: %s", ", ".join(families))
+    return list(families)
+
+
+def _unpatch_model(inner: nn.Module) -> None:
+    saved, finalizer = inner.__dict__.pop("_torchport_patch", ([], None))
+    for owner, attr, value in reversed(saved):
+        _set(owner, attr, value)
+    if finalizer is not None:
+        finalizer.detach()
+    _release(id(inner))
+    _models.discard(inner)
+
+
+def unpatch(model: Any = None) -> Any:
+    """Undo :func:`patch` on ``model``, or, with no model, undo every patch: each model patched by :func:`patch`
+    and :func:`patch_transformers`. Originals come back by identity. Safe to call when nothing is patched.
+
+    Returns:
+        ``model`` (None when none was given).
+
+    Example:
+        >>> torchport.unpatch(model)
+        >>> torchport.unpatch()        # everything, transformers classes included
+    """
+    with _lock:
+        if model is not None:
+            _unpatch_model(_unwrap(model))
+            return model
+        for inner in list(_models):
+            _unpatch_model(inner)
+        for name in FAMILIES:
+            _release(("transformers", name))
+    return None
+
+
+def is_patched(model: Any = None) -> bool:
+    """Whether ``model`` is patched by :func:`patch`, or, with no model, whether anything is patched."""
+    with _lock:
+        if model is None:
+            return bool(_shared) or len(_models) > 0
+        return "_torchport_patch" in _unwrap(model).__dict__

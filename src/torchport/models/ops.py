@@ -1,0 +1,197 @@
+"""The forwards and functions that :func:`torchport.patch` puts in place of Hugging Face's, built from a table row.
+
+Each ``make_*`` returns a plain function with the signature of what it replaces, so the same function serves as a
+class attribute (:func:`torchport.patch_transformers`) and, bound with ``types.MethodType``, as one module's forward
+(:func:`torchport.patch`). Whatever a kernel cannot take (another activation, ``unsqueeze_dim != 1``, a wrapped
+``lm_head``) goes to the original code, unchanged.
+
+Example:
+    >>> forward = make_norm_forward(FAMILIES["llama"].norm, in_place=True)
+    >>> y = forward(model.model.norm, hidden_states)
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .. import kernels
+from .families import GATED_ACTIVATIONS, MLP, Norm
+
+__all__ = [
+    "causal_lm_loss",
+    "gated_kernel",
+    "make_fused_linear_forward",
+    "make_mlp_forward",
+    "make_norm_forward",
+    "make_rope",
+]
+
+IGNORE_INDEX = -100
+
+
+def make_norm_forward(spec: Norm, in_place: bool) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``forward(self, x)`` of an RMSNorm module through :func:`torchport.kernels.rms_norm`."""
+
+    def forward(self: nn.Module, hidden_states: torch.Tensor) -> torch.Tensor:
+        return kernels.rms_norm(hidden_states, self.weight, getattr(self, spec.eps), spec.offset, in_place=in_place)
+
+    forward.__qualname__ = f"torchport.{spec.cls}.forward"
+    return forward
+
+
+@functools.cache
+def _activation_kernels() -> dict[type, str]:
+    from transformers.activations import ACT2CLS
+
+    found = {}
+    for name, op in GATED_ACTIVATIONS.items():
+        entry = ACT2CLS.get(name)
+        if entry is not None:
+            found[entry[0] if isinstance(entry, tuple) else entry] = op
+    return found
+
+
+def gated_kernel(activation: object) -> str | None:
+    """The gated kernel (``"swiglu"``/``"geglu"``) equal to ``activation(gate) * up``, or None."""
+    return _activation_kernels().get(type(activation))
+
+
+def make_mlp_forward(spec: MLP, ops: frozenset[str],
+                     original: Callable[..., torch.Tensor]) -> Callable[[nn.Module, torch.Tensor], torch.Tensor]:
+    """``forward(self, x)`` of a gated MLP: projections, then :func:`swiglu` or :func:`geglu` when ``ops`` allows
+    the module's activation, else ``original``."""
+
+    def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        op = gated_kernel(getattr(self, spec.act))
+        if op not in ops:
+            return original(self, x)
+        if spec.gate_up is not None:
+            # Two views of one projection output (no copy); the kernels take rows of any stride.
+            gate, up = getattr(self, spec.gate_up)(x).chunk(2, dim=-1)
+        else:
+            gate, up = getattr(self, spec.gate)(x), getattr(self, spec.up)(x)
+        # in_place: gate and up are fresh projection outputs that no autograd node saved (a linear layer saves
+        # its input, not its output), so the backward may write their gradients over them.
+        return getattr(self, spec.down)(getattr(kernels, op)(gate, up, in_place=True))
+
+    forward.__qualname__ = f"torchport.{spec.cls}.forward"
+    return forward
+
+
+def make_rope(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Callable[..., Any]:
+    """``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)`` through :func:`torchport.kernels.rope`.
+
+    When ``cos`` covers only a prefix of ``head_dim`` (Phi-3's partial rotary factor), that prefix is rotated and the
+    rest passes through, as in the original.
+    """
+
+    @functools.wraps(original)
+    def apply_rotary_pos_emb(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                             *args: Any, unsqueeze_dim: int = 1, **kwargs: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        if args or kwargs or unsqueeze_dim != 1 or q.dim() != 4:
+            return original(q, k, cos, sin, *args, unsqueeze_dim=unsqueeze_dim, **kwargs)
+        rotary = cos.shape[-1]
+        if rotary == q.shape[-1]:
+            return kernels.rope(q, k, cos, sin)
+        q_rot, k_rot = kernels.rope(q[..., :rotary], k[..., :rotary], cos, sin)
+        return torch.cat([q_rot, q[..., rotary:]], dim=-1), torch.cat([k_rot, k[..., rotary:]], dim=-1)
+
+    apply_rotary_pos_emb.__wrapped__ = original
+    return apply_rotary_pos_emb
+
+
+def _shifted_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
+                     ignore_index: int) -> torch.Tensor:
+    # As transformers' ForCausalLMLoss: position t predicts token t+1; the last position predicts nothing.
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    return shift_labels.reshape(-1)
+
+
+def _per_item(loss: torch.Tensor, num_items_in_batch: torch.Tensor | int | None) -> torch.Tensor:
+    if num_items_in_batch is None:
+        return loss
+    if torch.is_tensor(num_items_in_batch):
+        num_items_in_batch = num_items_in_batch.to(loss.device)
+    return loss / num_items_in_batch
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size: int,
+                   num_items_in_batch: torch.Tensor | int | None = None, ignore_index: int = IGNORE_INDEX,
+                   shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
+    """transformers' ``ForCausalLMLoss`` through :func:`torchport.kernels.cross_entropy` (no float32 copy of the
+    logits): labels shifted left by one, ``ignore_index`` skipped, the mean over counted tokens, or the sum divided
+    by ``num_items_in_batch`` when the trainer gives it (gradient accumulation).
+
+    Example:
+        >>> loss = causal_lm_loss(logits, input_ids, model.config.vocab_size)
+    """
+    target = _shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
+    reduction = "mean" if num_items_in_batch is None else "sum"
+    loss = kernels.cross_entropy(logits.reshape(-1, vocab_size), target, ignore_index=ignore_index,
+                                 reduction=reduction)
+    return _per_item(loss.float(), num_items_in_batch)
+
+
+def _fusable(model: nn.Module, softcap: str | None, labels: Any, logits_to_keep: Any, kwargs: dict) -> bool:
+    if not model.training or labels is None:
+        return False  # evaluation and generation keep their logits; as in transformers, no labels means no loss
+    if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
+        return False
+    if softcap is not None and getattr(model.config, softcap, None) is not None:
+        return False  # the kernel has no soft-capping
+    # A PEFT-wrapped lm_head (LoRA) is not an nn.Linear: its weight alone would drop the adapter.
+    return isinstance(model.lm_head, nn.Linear) and type(model.lm_head).forward is nn.Linear.forward
+
+
+def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None) -> Callable[..., Any]:
+    """A causal LM's forward whose training loss is :func:`torchport.kernels.fused_linear_cross_entropy` of the
+    final hidden states and ``lm_head``: no ``[tokens, vocab]`` logits are made, and ``logits`` in the output is
+    None. In evaluation, without labels, with ``logits_to_keep``, soft-capped logits or a wrapped ``lm_head``, it
+    is ``original``.
+    """
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+    from transformers.utils import can_return_tuple
+
+    @can_return_tuple
+    def fused(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+              position_ids: torch.Tensor | None = None, past_key_values: Any = None,
+              inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+              use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> Any:
+        outputs = getattr(self, self.base_model_prefix)(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
+        )
+        hidden = outputs.last_hidden_state
+        ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
+        target = _shifted_targets(labels, kwargs.get("shift_labels"), ignore_index).to(hidden.device)
+        num_items = kwargs.get("num_items_in_batch")
+        loss = kernels.fused_linear_cross_entropy(
+            hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, target, bias=self.lm_head.bias,
+            ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+        )
+        return CausalLMOutputWithPast(loss=_per_item(loss.float(), num_items), logits=None,
+                                      past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                                      attentions=outputs.attentions)
+
+    # Positional arguments are named after the original's signature (self first).
+    names = [p.name for p in inspect.signature(original).parameters.values()
+             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+
+    @functools.wraps(original)
+    def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        if len(args) > len(names) or any(name in kwargs for name in names[:len(args)]):
+            return original(self, *args, **kwargs)  # let the original raise its TypeError
+        kwargs.update(zip(names, args))
+        if not _fusable(self, softcap, kwargs.get("labels"), kwargs.get("logits_to_keep", 0), kwargs):
+            return original(self, **kwargs)
+        return fused(self, **kwargs)
+
+    return forward
