@@ -35,19 +35,23 @@ __all__ = [
 
 # Subpackages that pull in more than torch are imported on first use: ``torchport.kernels.rms_norm(...)`` works
 # after a bare ``import torchport`` without making that import slower.
-_LAZY_SUBPACKAGES = frozenset({"bench", "kernels", "offload", "verify"})
+_LAZY_SUBPACKAGES = frozenset({"bench", "kernels", "models", "offload", "verify"})
+# Functions served from a lazy subpackage: ``torchport.patch(model)`` imports torchport.models (and transformers
+# only when it patches).
+_LAZY_FUNCTIONS = {"patch": "models", "patch_transformers": "models", "unpatch": "models"}
 
 
 def __getattr__(name: str):
-    if name in _LAZY_SUBPACKAGES:
+    if name in _LAZY_SUBPACKAGES or name in _LAZY_FUNCTIONS:
         import importlib
 
-        return importlib.import_module(f"{__name__}.{name}")
+        module = importlib.import_module(f"{__name__}.{_LAZY_FUNCTIONS.get(name, name)}")
+        return getattr(module, name) if name in _LAZY_FUNCTIONS else module
     raise AttributeError(f"module 'torchport' has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _LAZY_SUBPACKAGES)
+    return sorted(set(globals()) | _LAZY_SUBPACKAGES | set(_LAZY_FUNCTIONS))
 
 def _start_simulation() -> None:
     try:
