@@ -23,6 +23,8 @@ Example:
 
 from __future__ import annotations
 
+from .cross_entropy import CrossEntropyLoss, cross_entropy
+from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .glu import GeGLU, SwiGLU, geglu, swiglu
 from .layer_norm import LayerNorm, layer_norm
 from .registry import KernelError, Unsupported, list_kernels, register_kernel, table
@@ -30,6 +32,8 @@ from .rms_norm import RMSNorm, rms_norm
 from .rope import RoPE, rope
 
 __all__ = [
+    "CrossEntropyLoss",
+    "FusedLinearCrossEntropyLoss",
     "GeGLU",
     "KernelError",
     "LayerNorm",
@@ -37,6 +41,8 @@ __all__ = [
     "RoPE",
     "SwiGLU",
     "Unsupported",
+    "cross_entropy",
+    "fused_linear_cross_entropy",
     "geglu",
     "layer_norm",
     "list_kernels",
