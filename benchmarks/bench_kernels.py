@@ -1,4 +1,4 @@
-"""Fused kernels against their peers: RMSNorm, LayerNorm, SwiGLU, GeGLU, RoPE, forward + backward.
+"""Fused kernels against their peers: RMSNorm, LayerNorm, SwiGLU, GeGLU, RoPE, cross-entropy, linear + cross-entropy.
 
 For each op, in one process on one device: eager PyTorch written as HF modeling code writes it, torch.compile of
 that same function, liger-kernel (when importable) and torchport.kernels (forced to its Triton kernels on CUDA;
@@ -13,6 +13,7 @@ a PNG chart.
 
 Targets (issue 5), torchport against the fastest of eager, torch.compile and liger-kernel in the same run:
 RMSNorm >= 2.0x, LayerNorm >= 1.5x, SwiGLU, GeGLU, RoPE >= 1.2x; peak memory <= the lowest of the three.
+Issue 6: cross-entropy >= 1.8x; linear + cross-entropy no slower than eager, peak memory <= liger's.
 """
 
 from __future__ import annotations
@@ -42,6 +43,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #   GeGLU      as SwiGLU                                                          8 * a.numel() * e
 #   RoPE       fwd: read q, k, write q, k; bwd: read dq, dk, write dq, dk         4 * (q.numel() + k.numel()) * e
 #              plus cos and sin, read once in each pass                           + 4 * cos.numel() * e
+#   CE         fwd: read logits once; bwd: write d logits (the loss is a scalar)  2 * logits.numel() * e
+#              (torchport's kernel computes d logits in the forward, reading each row a second time — from L2
+#              when it fits; with loss.backward() the backward then moves nothing)
+#   linear+CE  FLOP-bound, 3 matmuls of 2*N*H*V FLOPs (logits, d hidden, d weight): 6*N*H*V FLOPs; bytes here
+#              are only the tensors read and written once: hidden, weight, their gradients
+#                                                                               2 * (h.numel() + w.numel()) * e
 
 
 def rms_norm_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -58,6 +65,14 @@ def glu_bytes(gate: torch.Tensor, up: torch.Tensor) -> int:
 
 def rope_bytes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
     return 4 * (q.numel() + k.numel()) * q.element_size() + 4 * cos.numel() * cos.element_size()
+
+
+def cross_entropy_bytes(logits: torch.Tensor, target: torch.Tensor) -> int:
+    return 2 * logits.numel() * logits.element_size()
+
+
+def linear_cross_entropy_bytes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
+    return 2 * (hidden.numel() + weight.numel()) * hidden.element_size()
 
 
 # --- eager versions, as HF modeling code writes them ---------------------------------------------------------------
@@ -93,6 +108,15 @@ def rope_eager(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.T
     return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
 
+def cross_entropy_eager(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    # transformers' ForCausalLMLoss: upcast the logits, then F.cross_entropy with ignore_index=-100
+    return F.cross_entropy(logits.float(), target, ignore_index=-100)
+
+
+def linear_cross_entropy_eager(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100)
+
+
 # --- inputs --------------------------------------------------------------------------------------------------------
 
 def _randn(shape: Sequence[int], dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
@@ -124,6 +148,25 @@ def rope_inputs(dims, dtype, device, gen):
     return (q, k, emb.cos().to(dtype), emb.sin().to(dtype)), grads
 
 
+def _targets(rows: int, vocab: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
+    target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
+    target[::16] = -100  # some padding, as a batch of uneven sequences has
+    return target
+
+
+def cross_entropy_inputs(dims, dtype, device, gen):
+    rows, vocab = dims
+    logits = 2 * _randn((rows, vocab), dtype, device, gen)
+    return (logits, _targets(rows, vocab, device, gen)), (torch.ones((), dtype=dtype, device=device),)
+
+
+def linear_cross_entropy_inputs(dims, dtype, device, gen):
+    rows, hidden, vocab = dims
+    h = _randn((rows, hidden), dtype, device, gen)
+    w = (_randn((vocab, hidden), torch.float32, device, gen) / hidden**0.5).to(dtype)
+    return (h, w, _targets(rows, vocab, device, gen)), (torch.ones((), dtype=dtype, device=device),)
+
+
 # --- contenders ----------------------------------------------------------------------------------------------------
 
 def _liger(op: str) -> Callable:
@@ -149,6 +192,18 @@ def _liger(op: str) -> Callable:
         from liger_kernel.ops.rope import LigerRopeFunction
 
         return LigerRopeFunction.apply
+    if op == "cross_entropy":
+        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
+
+        # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, ...) -> 4-tuple;
+        # it writes the gradient into the logits
+        return lambda logits, t: LigerCrossEntropyFunction.apply(logits, t, None, -100, 0.0, 0.0, "mean")[0]
+    if op == "fused_linear_cross_entropy":
+        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
+
+        # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, ...)
+        return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t, None, None, -100, 0.0, 0.0,
+                                                                          "mean")[0]
     raise ValueError(op)
 
 
@@ -164,6 +219,10 @@ def _torchport(op: str, in_place: bool) -> Callable:
         return (lambda a, b: fn(a, b, in_place=True)) if in_place else fn
     if op == "rope":
         return kernels.rope
+    if op == "cross_entropy":
+        return (lambda x, t: kernels.cross_entropy(x, t, in_place=True)) if in_place else kernels.cross_entropy
+    if op == "fused_linear_cross_entropy":
+        return kernels.fused_linear_cross_entropy
     raise ValueError(op)
 
 
@@ -186,6 +245,9 @@ class Op:
         if self.name == "rope":
             b, hq, hk, s, d = dims
             return f"{self.title} q {b}×{hq}×{s}×{d}, k {b}×{hk}×{s}×{d}"
+        if self.name == "fused_linear_cross_entropy":
+            n, h, v = dims
+            return f"{self.title} {n} tokens, {h} → {v}"
         return f"{self.title} {'×'.join(map(str, dims))}"
 
 
@@ -200,6 +262,12 @@ OPS = {op.name: op for op in (
        ("gate", "up"), ("y",), 2, True),
     Op("rope", "RoPE", (4, 32, 8, 2048, 128), (2, 4, 2, 64, 32), rope_inputs, rope_eager, rope_bytes, 1.2,
        ("q", "k", "cos", "sin"), ("q", "k"), 2, False),
+    Op("cross_entropy", "cross-entropy", (8192, 128256), (256, 32003), cross_entropy_inputs, cross_entropy_eager,
+       cross_entropy_bytes, 1.8, ("logits", "target"), ("loss",), 1, True),
+    # target: no slower than eager (1.0×) with peak memory <= liger's
+    Op("fused_linear_cross_entropy", "linear + CE", (8192, 4096, 128256), (256, 64, 1000), linear_cross_entropy_inputs,
+       linear_cross_entropy_eager, linear_cross_entropy_bytes, 1.0, ("hidden", "weight", "target"), ("loss",), 2,
+       False),
 )}
 CONTENDERS = ("eager", "compile", "liger", "torchport", "torchport-inplace")
 PEERS = ("eager", "compile", "liger")
@@ -358,7 +426,7 @@ def _fresh(args: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]):
 
 def reference(op: Op, args, grads) -> list[torch.Tensor]:
     """Outputs then input gradients of the eager function in float32."""
-    ref_args = [a.detach().float().requires_grad_(a.requires_grad) for a in args]
+    ref_args = [a.detach().float().requires_grad_(a.requires_grad) if a.is_floating_point() else a for a in args]
     outs = _as_tuple(op.eager(*ref_args))
     torch.autograd.backward(outs, [g.float() for g in grads])
     return [o.detach() for o in outs] + [a.grad for a in ref_args if a.requires_grad]
