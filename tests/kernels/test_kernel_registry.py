@@ -81,7 +81,7 @@ def test_forced_choices_name_what_exists(device):
         with pytest.raises(KernelError, match=r"no such implementation; it has: reference \(every device\), triton"):
             torchport.kernels.layer_norm(x, w, None)
     with torchport.settings.override(kernels="rms_norm=reference,rmsnorm=triton"):
-        with pytest.raises(ValueError, match=r"unknown kernel\(s\) rmsnorm; registered: geglu, layer_norm, rms_norm"):
+        with pytest.raises(ValueError, match=r"unknown kernel\(s\) rmsnorm; registered: .*geglu, layer_norm, rms_norm, rope"):
             torchport.kernels.rms_norm(x, w)
     with torchport.settings.override(kernels="reference"):
         assert registry.select("rms_norm", x.device).name == "reference"
@@ -129,8 +129,9 @@ def test_npu_without_a_fused_operator_falls_back(npu, fresh_registry):
 def test_kernels_command(capsys):
     assert main(["kernels", "--json", "--device", "cpu"]) == 0
     rows = json.loads(capsys.readouterr().out)
-    assert {r["op"] for r in rows} == {"rms_norm", "layer_norm", "rope", "swiglu", "geglu"}
-    assert all(r["device"] == "cpu" and r["implementation"] == "reference" for r in rows)
+    assert {r["op"] for r in rows} >= {"rms_norm", "layer_norm", "rope", "swiglu", "geglu"}
+    chosen = {r["op"]: r["implementation"] for r in rows if r["device"] == "cpu"}
+    assert all(chosen[op] == "reference" for op in ("rms_norm", "layer_norm", "rope", "swiglu", "geglu"))
     assert main(["kernels"]) == 0
     assert "rms_norm" in capsys.readouterr().out
     assert main(["kernels", "--device", "gpu"]) == 2
