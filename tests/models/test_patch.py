@@ -14,7 +14,6 @@ import torch
 
 import torchport
 from torchport.backends import get_backend
-from torchport.kernels import rms_norm as _  # noqa: F401  (the kernels package imports before the models)
 
 from tiny_models import CASES, batch, build, loss_and_grads, relative_error, to_device
 
@@ -88,10 +87,8 @@ def test_patched_modules_and_in_place_choice():
     # forwards replaced on the instance; classes, parameters and state_dict untouched
     assert "forward" in layer.mlp.__dict__ and type(layer.mlp).__name__ == "Gemma2MLP"
     # post-norms feed the residual: not in place; the others are
-    cells = {name: layer.__dict__["_modules"][name].forward.__func__.__closure__ for name in
-             ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")}
-    in_place = {name: next(c.cell_contents for c in cells[name] if isinstance(c.cell_contents, bool))
-                for name in cells}
+    names = ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    in_place = {name: getattr(layer, name).forward.__func__.in_place for name in names}
     assert in_place == {"input_layernorm": True, "post_attention_layernorm": False,
                         "pre_feedforward_layernorm": True, "post_feedforward_layernorm": False}
 
@@ -309,3 +306,20 @@ def test_concurrent_patch_and_unpatch():
         t.join()
     assert not errors
     assert mistral.apply_rotary_pos_emb is original and not torchport.models.is_patched()
+
+
+def test_deep_copy_is_a_patched_model_of_its_own():
+    import copy
+
+    import transformers.models.llama.modeling_llama as llama
+
+    original = llama.apply_rotary_pos_emb
+    model = torchport.patch(build("llama"))
+    twin = copy.deepcopy(model)
+    assert twin.model.norm.forward.__self__ is twin.model.norm and torchport.models.is_patched(twin)
+    torchport.unpatch(model)
+    assert llama.apply_rotary_pos_emb is not original  # the copy still holds it
+    inputs = batch(torch.device("cpu"))
+    torch.testing.assert_close(twin(**inputs).loss, model(**inputs).loss)
+    torchport.unpatch(twin)
+    assert "forward" not in twin.model.norm.__dict__ and llama.apply_rotary_pos_emb is original

@@ -32,7 +32,11 @@ __all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "supported",
 
 logger = logging.getLogger("torchport")
 
-_MISSING = object()
+
+
+class _MISSING:  # "no such attribute"; a class, so copy.deepcopy keeps its identity
+    pass
+
 _FLAGS = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
 _KERNELS = {"cross_entropy": "cross_entropy", "fused_linear_cross_entropy": "fused_linear_cross_entropy"}
 
@@ -120,6 +124,28 @@ def _release(holder: Any) -> None:
             if not holders:
                 _set(owner, attr, original)
                 del _shared[key]
+
+
+class _Record:
+    """What :func:`patch` changed on one model: ``(owner, attr, previous value)`` entries, and the shared
+    attributes (rope) it holds. Kept in the model's ``__dict__``; a deep copy of the model (a reference model, an
+    EMA copy) is a patched model of its own, with its own record and holds."""
+
+    def __init__(self, model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[int, str]]) -> None:
+        self.saved, self.shared, self.model_id = saved, shared, id(model)
+        # A model dropped without unpatch() still gives back its holds on shared attributes.
+        self.finalizer = weakref.finalize(model, _release, id(model))
+        _models.add(model)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Record:
+        from copy import deepcopy
+
+        model = memo[self.model_id]  # the model's copy, made (and memoised) before its __dict__ is copied
+        saved = deepcopy(self.saved, memo)  # owners become the copy's modules, bound forwards bind to them
+        with _lock:
+            for key in self.shared:
+                _shared[key][3].add(id(model))
+            return _Record(model, saved, list(self.shared))
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -213,12 +239,12 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
                     logger.warning("torchport.patch: %s soft-caps its logits (%s=%s); the fused linear "
                                    "cross-entropy does not, so this model's loss keeps its logits",
                                    type(inner).__name__, family.softcap, getattr(inner.config, family.softcap))
+        shared = []
         if flags["rope"]:
-            _hold(importlib.import_module(family.module), family.rope, ops.make_rope, id(inner))
-        # A model dropped without unpatch() still gives back its hold on the shared rope function.
-        finalizer = weakref.finalize(inner, _release, id(inner))
-        inner.__dict__["_torchport_patch"] = (saved, finalizer)
-        _models.add(inner)
+            module = importlib.import_module(family.module)
+            _hold(module, family.rope, ops.make_rope, id(inner))
+            shared.append((id(module), family.rope))
+        inner.__dict__["_torchport_patch"] = _Record(inner, saved, shared)
         logger.info("torchport.patch: %s (%s): %d norms, %d MLPs, flags %s", type(inner).__name__,
                     inner.config.model_type, counts["rms_norm"], counts["mlp"],
                     ", ".join(flag for flag, on in flags.items() if on))
@@ -272,11 +298,11 @@ def patch_transformers(model_type: str | None = None, **flags: bool) -> list[str
 
 
 def _unpatch_model(inner: nn.Module) -> None:
-    saved, finalizer = inner.__dict__.pop("_torchport_patch", ([], None))
-    for owner, attr, value in reversed(saved):
-        _set(owner, attr, value)
-    if finalizer is not None:
-        finalizer.detach()
+    record = inner.__dict__.pop("_torchport_patch", None)
+    if record is not None:
+        for owner, attr, value in reversed(record.saved):
+            _set(owner, attr, value)
+        record.finalizer.detach()
     _release(id(inner))
     _models.discard(inner)
 

@@ -43,6 +43,7 @@ def make_norm_forward(spec: Norm, in_place: bool) -> Callable[[nn.Module, torch.
         return kernels.rms_norm(hidden_states, self.weight, getattr(self, spec.eps), spec.offset, in_place=in_place)
 
     forward.__qualname__ = f"torchport.{spec.cls}.forward"
+    forward.in_place = in_place  # type: ignore[attr-defined]
     return forward
 
 
