@@ -258,3 +258,21 @@ class Backend:
         works = math.isfinite(error) and error <= _PROBE_TOLERANCE[dtype]
         note = None if works else f"max error {error:.3g} exceeds {_PROBE_TOLERANCE[dtype]:g}"
         return DtypeProbe(dtype, works, error, ms, note)
+
+    # -- deployment ------------------------------------------------------------------------------------------------
+    #: The onnxruntime package whose execution provider runs ONNX models on this device type.
+    onnxruntime_package: ClassVar[str] = "onnxruntime"
+
+    def onnx_providers(self, index: int, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+        """onnxruntime execution providers for device ``index``, best first, each with its provider options;
+        ``options`` are the caller's options for the device's own provider. Here: the CPU provider, which takes
+        none."""
+        if options:
+            raise ValueError(f"onnxruntime's CPUExecutionProvider takes no provider options here; got "
+                             f"{', '.join(sorted(options))}")
+        return [("CPUExecutionProvider", {})]
+
+    def soc_version(self, index: int) -> str | None:
+        """The chip name that Ascend's ATC model compiler takes as ``--soc_version``, or None for devices that
+        are not Ascend NPUs."""
+        return None

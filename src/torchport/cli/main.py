@@ -20,6 +20,7 @@ from .. import __version__
 from . import doctor, migrate, run
 from . import stack
 from . import bench, kernels, verify
+from . import export
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -38,6 +39,7 @@ COMMANDS: dict[str, Command] = {
     "verify": Command(verify.HELP, verify.add_arguments, verify.handle),
     "bench": Command(bench.HELP, bench.add_arguments, bench.handle),
     "kernels": Command(kernels.HELP, kernels.add_arguments, kernels.handle),
+    "export": Command(export.HELP, export.add_arguments, export.handle),
 }
 
 
