@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 __all__ = ["plot_sweep"]
 
 
-def plot_sweep(sweep: Sweep, path: str | os.PathLike[str]) -> str:
+def plot_sweep(sweep: Sweep, path: str | os.PathLike[str], compare: Sweep | None = None) -> str:
     """Two panels side by side: items/s and peak device memory (MiB) against batch size; failed batch sizes are
     marked with their error. Returns the path written.
 
@@ -24,7 +24,12 @@ def plot_sweep(sweep: Sweep, path: str | os.PathLike[str]) -> str:
     speed, memory = figure.subplots(1, 2)
     done = [p for p in sweep.points if p.result is not None]
     sizes = [p.batch_size for p in done]
-    speed.plot(sizes, [p.result.throughput for p in done], marker="o", color="tab:blue")
+    speed.plot(sizes, [p.result.throughput for p in done], marker="o", color="tab:blue", label=sweep.device)
+    if compare is not None:
+        other = [p for p in compare.points if p.result is not None]
+        speed.plot([p.batch_size for p in other], [p.result.throughput for p in other], marker="^",
+                   color="tab:green", label=compare.device)
+        speed.legend(fontsize=8)
     speed.set_ylabel("throughput (items/s, median)")
     measured = [p for p in done if p.result.peak_memory is not None]
     if measured:

@@ -130,15 +130,16 @@ class Sweep:
             note += "; peak memory n/a: this device keeps no count of tensor bytes"
         console.print(Text(note), soft_wrap=True)
 
-    def plot(self, path: str | os.PathLike[str]) -> str:
-        """Write a PNG: throughput and peak memory against batch size. Needs matplotlib. Returns the path.
+    def plot(self, path: str | os.PathLike[str], compare: Sweep | None = None) -> str:
+        """Write a PNG: throughput and peak memory against batch size, with ``compare``'s throughput beside it
+        (for example the same model in onnxruntime). Needs matplotlib. Returns the path.
 
         Example:
             >>> sweep(factory, [1, 4, 16], device="npu").plot("bench.png")
         """
         from .plot import plot_sweep
 
-        return plot_sweep(self, path)
+        return plot_sweep(self, path, compare)
 
     def __str__(self) -> str:
         from rich.console import Console

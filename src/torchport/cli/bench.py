@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from typing import Any
 
 from .verify import DTYPES, check_device, check_output, load_factory, usage_error
 
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="OUT", help="write the results as JSON to this file")
     parser.add_argument("--plot", metavar="OUT.png", help="write throughput and memory against batch size as a PNG "
                                                           "(matplotlib)")
+    parser.add_argument("--onnx", action="store_true", help="also export the model to ONNX (dynamic batch) and time "
+                                                            "it in onnxruntime on the device's execution provider "
+                                                            "(default batch sizes then: 1,4,8)")
+    parser.add_argument("--opset", type=int, default=18, help="ONNX opset for --onnx (default: 18)")
 
 
 def parse_batch_sizes(text: str | None) -> list[int] | None:
@@ -67,6 +72,8 @@ def handle(args: argparse.Namespace) -> int:
     from ..verify import TargetError
 
     sizes = parse_batch_sizes(args.batch_sizes)
+    if args.onnx and sizes is None:
+        sizes = [1, 4, 8]
     for name in ("warmup", "iters"):
         value, least = getattr(args, name), 0 if name == "warmup" else 1
         if value < least:
@@ -82,10 +89,33 @@ def handle(args: argparse.Namespace) -> int:
     except TargetError as exc:
         raise usage_error(str(exc)) from exc
     result.print()
+    exported = _onnx_sweep(args, factory, sizes) if args.onnx else None
     if args.json:
+        data = result.to_dict() if exported is None else {"ok": result.ok and exported.ok, "eager": result.to_dict(),
+                                                          "onnxruntime": exported.to_dict()}
         with open(args.json, "w", encoding="utf-8") as f:
-            f.write(json.dumps(result.to_dict(), indent=2) + "\n")
+            f.write(json.dumps(data, indent=2) + "\n")
     if args.plot:
-        result.plot(args.plot)
-    return 0 if result.ok else 1
+        result.plot(args.plot) if exported is None else result.plot(args.plot, compare=exported)
+    return 0 if result.ok and (exported is None or exported.ok) else 1
+
+
+def _onnx_sweep(args: argparse.Namespace, factory: Any, sizes: list[int] | None) -> Any:
+    """Time the exported model in onnxruntime at the same batch sizes and print its table."""
+    from ..export import ExportError, sweep_onnx
+    from ..verify import TargetError
+
+    dtype = {"float32": "fp32", "float16": "fp16", None: "fp32"}.get(args.dtype)
+    if dtype is None:
+        raise usage_error(f"--onnx times fp32 or fp16 graphs; --dtype {args.dtype} has no ONNX export here")
+    try:
+        exported, report = sweep_onnx(factory, sizes, device=args.device, opset=args.opset, dtype=dtype,
+                                      warmup=args.warmup, iters=args.iters, source=f"TARGET {args.target}")
+    except (TargetError, ExportError, ImportError, ValueError) as exc:
+        raise usage_error(f"--onnx: {exc}") from exc
+    exported.print()
+    if not report.ok:
+        print(f"note: the exported model differs from PyTorch (relative error {report.rel_error:.3g}, rtol "
+              f"{report.rtol:g})")
+    return exported
 
