@@ -323,3 +323,35 @@ def test_deep_copy_is_a_patched_model_of_its_own():
     torch.testing.assert_close(twin(**inputs).loss, model(**inputs).loss)
     torchport.unpatch(twin)
     assert "forward" not in twin.model.norm.__dict__ and llama.apply_rotary_pos_emb is original
+
+
+def test_accelerate_style_hook_stays_around_the_kernel():
+    model = build("llama")
+    norm = model.model.norm
+    calls = []
+
+    def hooked(*args, **kwargs):  # what accelerate's add_hook_to_module installs
+        calls.append(1)
+        return norm._old_forward(*args, **kwargs)
+
+    norm.__dict__["_old_forward"] = norm.forward
+    norm.__dict__["forward"] = hooked
+    torchport.patch(model)
+    assert norm.__dict__["forward"] is hooked and norm._old_forward.__func__.__qualname__.startswith("torchport.")
+    model(**batch(torch.device("cpu")))
+    assert calls
+    torchport.unpatch(model)
+    assert norm._old_forward.__func__.__qualname__ == "LlamaRMSNorm.forward"
+
+
+def test_subclass_with_its_own_forward_is_left_alone():
+    import transformers.models.llama.modeling_llama as llama
+
+    class ScaledNorm(llama.LlamaRMSNorm):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = build("llama")
+    model.model.norm = ScaledNorm(64)
+    torchport.patch(model)
+    assert "forward" not in model.model.norm.__dict__ and "forward" in model.model.layers[0].input_layernorm.__dict__

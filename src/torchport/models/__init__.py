@@ -172,6 +172,20 @@ def _original(cls: type, attr: str = "forward") -> Any:
     return getattr(cls, attr) if saved is None else saved[2]
 
 
+def _defines_forward(module: nn.Module, cls: type) -> bool:
+    """``module`` is a ``cls`` running ``cls``'s own forward (not a subclass's), so the table describes it."""
+    if not isinstance(module, cls):
+        return False
+    owner = next(klass for klass in type(module).__mro__ if "forward" in vars(klass))
+    return owner is cls
+
+
+def _forward_slot(module: nn.Module) -> str:
+    # Accelerate's hooks (device_map, offloading) put a wrapper in module.forward that calls module._old_forward:
+    # replacing _old_forward keeps the hook around the kernel.
+    return "_old_forward" if "_old_forward" in module.__dict__ else "forward"
+
+
 def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, geglu: bool = True,
           cross_entropy: bool = False, fused_linear_cross_entropy: bool = True) -> Any:
     """Run a transformers model's norms, gated MLPs, RoPE and loss through torchport kernels.
@@ -217,24 +231,24 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         mlp_forward = ops.make_mlp_forward(family.mlp, glus, _original(mlp_cls))
         counts = {"rms_norm": 0, "mlp": 0}
         for name, module in inner.named_modules():
-            if flags["rms_norm"] and isinstance(module, norm_cls):
+            if flags["rms_norm"] and _defines_forward(module, norm_cls):
                 in_place = name.rsplit(".", 1)[-1] not in family.norm.residual_outputs
-                put(module, "forward", types.MethodType(forwards[in_place], module))
+                put(module, _forward_slot(module), types.MethodType(forwards[in_place], module))
                 counts["rms_norm"] += 1
-            elif glus and isinstance(module, mlp_cls):
+            elif glus and _defines_forward(module, mlp_cls):
                 if ops.gated_kernel(getattr(module, family.mlp.act, None)) in glus:
-                    put(module, "forward", types.MethodType(mlp_forward, module))
+                    put(module, _forward_slot(module), types.MethodType(mlp_forward, module))
                     counts["mlp"] += 1
                 else:
                     logger.info("torchport.patch: %s keeps its MLP (activation %s has no gated kernel here)",
                                 name, type(getattr(module, family.mlp.act, None)).__name__)
         lm_cls = _resolve(family, family.causal_lm)
-        if isinstance(inner, lm_cls):
+        if _defines_forward(inner, lm_cls):
             if flags["cross_entropy"]:
                 put(inner, "_loss_function", ops.causal_lm_loss)  # what the loss_function property returns
             if flags["fused_linear_cross_entropy"]:
                 forward = ops.make_fused_linear_forward(_original(lm_cls), family.softcap)
-                put(inner, "forward", types.MethodType(forward, inner))
+                put(inner, _forward_slot(inner), types.MethodType(forward, inner))
                 if family.softcap and getattr(inner.config, family.softcap, None) is not None:
                     logger.warning("torchport.patch: %s soft-caps its logits (%s=%s); the fused linear "
                                    "cross-entropy does not, so this model's loss keeps its logits",
