@@ -50,6 +50,16 @@ __all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "
 REDUCTIONS = ("mean", "sum", "none")
 
 
+def _reduce(rows: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
+    """Per-row losses to the requested reduction ("mean" over the kept rows; 0 when none is kept), in ``dtype``."""
+    if reduction == "none":
+        return rows.to(dtype)
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / valid.sum().clamp_min(1)
+    return total.to(dtype)
+
+
 def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
              z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-row loss, lse, non-ignored mask, safe target) for ``[N, V]`` logits already in float32 or float64."""
@@ -72,12 +82,7 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_i
     """Plain PyTorch on ``[N, V]`` logits and ``[N]`` targets, in float32 (float64 for float64 logits); the loss is
     returned in the logits' dtype, as ``F.cross_entropy`` does."""
     rows, _, valid, _ = _per_row(widen(logits), target, ignore_index, label_smoothing, z_loss)
-    if reduction == "none":
-        return rows.to(logits.dtype)
-    total = rows.sum()
-    if reduction == "mean":
-        total = total / valid.sum().clamp_min(1)
-    return total.to(logits.dtype)
+    return _reduce(rows, valid, reduction, logits.dtype)
 
 
 def loss_and_grad_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -132,12 +137,7 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     safe = torch.where(valid, target, torch.zeros_like(target)).long()
     rows = op(logits, safe, None, "none", -1, float(label_smoothing))[0]
     rows = torch.where(valid, rows.float(), torch.zeros((), dtype=torch.float32, device=rows.device))
-    if reduction == "none":
-        return rows.to(logits.dtype)
-    total = rows.sum()
-    if reduction == "mean":
-        total = total / valid.sum().clamp_min(1)
-    return total.to(logits.dtype)
+    return _reduce(rows, valid, reduction, logits.dtype)
 
 
 def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> int:

@@ -57,13 +57,19 @@ def _act_and_grad(a, GELU: tl.constexpr, WANT_GRAD: tl.constexpr):
 
 
 @triton.jit
-def _fwd_kernel(A, B, C, M, N, stride_a, stride_b, stride_c, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr):
+def _tile(M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """This program's rows, columns and in-bounds mask: programs walk row blocks, column blocks within each."""
     pid = tl.program_id(0).to(tl.int64)
     col_blocks = tl.cdiv(N, BLOCK_N)
     rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    return rows, cols, (rows < M)[:, None] & (cols < N)[None, :]
+
+
+@triton.jit
+def _fwd_kernel(A, B, C, M, N, stride_a, stride_b, stride_c, GELU: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr):
+    rows, cols, ok = _tile(M, N, BLOCK_M, BLOCK_N)
     a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     b = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     act, _ = _act_and_grad(a, GELU, False)
@@ -73,11 +79,7 @@ def _fwd_kernel(A, B, C, M, N, stride_a, stride_b, stride_c, GELU: tl.constexpr,
 @triton.jit
 def _bwd_kernel(A, B, DC, DA, DB, M, N, stride_a, stride_b, stride_dc, stride_da, stride_db, GELU: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    pid = tl.program_id(0).to(tl.int64)
-    col_blocks = tl.cdiv(N, BLOCK_N)
-    rows = (pid // col_blocks) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = (pid % col_blocks) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = (rows < M)[:, None] & (cols < N)[None, :]
+    rows, cols, ok = _tile(M, N, BLOCK_M, BLOCK_N)
     a = tl.load(A + rows[:, None] * stride_a + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     b = tl.load(B + rows[:, None] * stride_b + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dc = tl.load(DC + rows[:, None] * stride_dc + cols[None, :], mask=ok, other=0.0).to(tl.float32)
