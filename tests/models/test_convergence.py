@@ -1,7 +1,7 @@
 """A mini Llama trained 30 AdamW steps, patched and unpatched, on the CPU: the loss curves and final weights agree.
 
 Float32, one fixed batch (the model memorises it, so the loss falls steadily). Per-step differences in the
-gradients are at the 1e-7 level (see test_patch.py); Adam normalises each update, so they grow over the steps but
+gradients are at the 1e-7 level (see test_model_patch.py); Adam normalises each update, so they grow over the steps but
 stay small: seen, loss curves within 5e-6 relative and weights within 1.2e-5 absolute (the loss falls from 4.6 to
 0.3); asserted 1e-4 and 1e-4.
 """
