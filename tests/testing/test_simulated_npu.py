@@ -242,3 +242,24 @@ def test_several_devices_and_a_fixed_count() -> None:
     lines = result.stdout.splitlines()
     assert "index=1" in lines[0] and lines[1] == "npu:1 8 0"
     assert "already active with 2 device(s); asked for 3" in result.stderr
+
+
+def test_current_stream_is_per_thread(sim: torch.device) -> None:
+    import threading
+
+    inside, release = threading.Event(), threading.Event()
+    other = torch.npu.Stream()
+
+    def worker() -> None:
+        with torch.npu.stream(other):
+            inside.set()
+            release.wait(5)
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    try:
+        assert inside.wait(5)
+        assert torch.npu.current_stream() is torch.npu.default_stream()  # the worker's context is its own
+    finally:
+        release.set()
+        thread.join()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import time
 import types
 from collections import namedtuple
@@ -209,7 +210,14 @@ def build(state: Any) -> types.ModuleType:
         __hash__ = object.__hash__
 
     default_streams: dict[int, Stream] = {}
-    current_streams: dict[int, Stream] = {}
+    # The current stream is per thread, as in torch_npu and CUDA: a stream context in one thread (a prefetching
+    # worker, say) does not change the stream another thread's work goes to.
+    per_thread = threading.local()
+
+    def current_streams_of_thread() -> dict[int, Stream]:
+        if not hasattr(per_thread, "streams"):
+            per_thread.streams = {}
+        return per_thread.streams
 
     def default_stream(device: Any = None) -> Stream:
         index = index_of(device)
@@ -219,16 +227,17 @@ def build(state: Any) -> types.ModuleType:
 
     def current_stream(device: Any = None) -> Stream:
         index = index_of(device)
-        return current_streams.get(index) or default_stream(index)
+        return current_streams_of_thread().get(index) or default_stream(index)
 
     def set_stream(stream: Stream) -> None:
-        current_streams[stream.device_index] = stream
+        current_streams_of_thread()[stream.device_index] = stream
 
     @contextlib.contextmanager
     def stream(s: Stream | None) -> Iterator[None]:
         if s is None:
             yield
             return
+        current_streams = current_streams_of_thread()
         previous = current_streams.get(s.device_index)
         current_streams[s.device_index] = s
         try:
