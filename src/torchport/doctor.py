@@ -254,7 +254,9 @@ def _check_memory(backend: Backend, index: int) -> Outcome:
     size = _ROUND_TRIP_BYTES // 2**20
     if before is None or during is None or after is None:
         return True, f"allocated and freed {size} MiB; this device does not count allocated bytes", data
-    if during - before < _ROUND_TRIP_BYTES:
+    # Tensors of other threads may be freed meanwhile, so the count may grow by up to ``before`` bytes less (seen:
+    # 4984 bytes freed mid-check in a test process); a counter that misses the allocation grows by about nothing.
+    if during - before < _ROUND_TRIP_BYTES - min(before, _ROUND_TRIP_BYTES // 2):
         return False, f"allocated {size} MiB but the allocated count grew by {during - before} bytes", data
     if after > before:
         return False, f"freed {size} MiB but {after - before} bytes stay counted as allocated", data
