@@ -243,9 +243,15 @@ def _check_memory(backend: Backend, index: int) -> Outcome:
         return backend.memory_stats(index)["allocated"]
 
     gc.collect()  # else garbage from earlier checks, collected mid-check, hides part of the 16 MiB
-    before = allocated()
-    block = torch.ones(_ROUND_TRIP_BYTES // 4, device=backend.device(index))
-    during = allocated()
+    collecting = gc.isenabled()
+    gc.disable()  # nor may an automatic collection run between the two readings
+    try:
+        before = allocated()
+        block = torch.ones(_ROUND_TRIP_BYTES // 4, device=backend.device(index))
+        during = allocated()
+    finally:
+        if collecting:
+            gc.enable()
     del block
     gc.collect()
     after = allocated()
@@ -254,8 +260,8 @@ def _check_memory(backend: Backend, index: int) -> Outcome:
     size = _ROUND_TRIP_BYTES // 2**20
     if before is None or during is None or after is None:
         return True, f"allocated and freed {size} MiB; this device does not count allocated bytes", data
-    # Tensors of other threads may be freed meanwhile, so the count may grow by up to ``before`` bytes less (seen:
-    # 4984 bytes freed mid-check in a test process); a counter that misses the allocation grows by about nothing.
+    # Tensors that other threads free meanwhile make the count grow by up to ``before`` bytes less (seen once: 4984
+    # bytes); a counter that misses the allocation grows by about nothing, and still fails.
     if during - before < _ROUND_TRIP_BYTES - min(before, _ROUND_TRIP_BYTES // 2):
         return False, f"allocated {size} MiB but the allocated count grew by {during - before} bytes", data
     if after > before:
