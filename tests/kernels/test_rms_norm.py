@@ -60,14 +60,15 @@ def test_in_place_gradient_matches(device, dtype, impl):
     check_close("dw", w.grad, ref_dw, dtype)
 
 
-def test_zero_rows(device, impl):
-    x = torch.empty(0, 33, device=device, requires_grad=True)
-    w = torch.ones(33, device=device, requires_grad=True)
+@pytest.mark.parametrize("shape", [(0, 33), (3, 0)], ids=["zero_rows", "zero_hidden"])
+def test_zero_size(shape, device, impl):
+    x = torch.empty(shape, device=device, requires_grad=True)
+    w = torch.ones(shape[-1], device=device, requires_grad=True)
     y = call("rms_norm", impl, x, w, 1e-6, 0.0, False)
     y.sum().backward()
-    assert y.shape == (0, 33)
-    assert x.grad.shape == (0, 33)
-    assert torch.equal(w.grad.cpu(), torch.zeros(33))
+    assert y.shape == shape
+    assert x.grad.shape == shape
+    assert torch.equal(w.grad.cpu(), torch.zeros(shape[-1]))
 
 
 def test_public_function_and_module(device):

@@ -8,6 +8,7 @@ interpreter (``TRITON_INTERPRET=1``), which is how the test suite checks the ker
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -39,7 +40,7 @@ def rows_view(t: torch.Tensor, n: int) -> torch.Tensor:
 
     Row strides of 0 (an expanded gradient) are kept: the kernels only need unit stride along a row.
     """
-    rows = t.reshape(-1, n) if n else t.reshape(-1, 0)
-    if rows.dim() == 2 and rows.shape[1] > 1 and rows.stride(1) != 1:
+    rows = t.reshape(math.prod(t.shape[:-1]), n)  # not (-1, n): with n == 0 the row count would be ambiguous
+    if rows.shape[1] > 1 and rows.stride(1) != 1:
         rows = rows.contiguous()
     return rows

@@ -220,7 +220,7 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     n = x.shape[-1]
     rows = x if x.dim() == 2 and x.stride(1) == 1 else rows_view(x, n)
     m = rows.shape[0]
-    y = torch.empty_like(x) if x.is_contiguous() else torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
     rstd = torch.empty(m, dtype=torch.float32, device=x.device)
     if m and n:
