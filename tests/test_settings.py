@@ -27,6 +27,8 @@ def test_environment_is_read_and_normalised(monkeypatch: pytest.MonkeyPatch) -> 
         ("TORCHPORT_SIMULATE_DEVICES", "0", "integers 1 to 16"),
         ("TORCHPORT_SIMULATE_DEVICES", "two", "integers 1 to 16"),
         ("TORCHPORT_PROBE", "maybe", "valid values: 1, true"),
+        ("TORCHPORT_LOG", "compile,pases", "unknown log topic(s) pases; valid: compile, kernels, fallback, all"),
+        ("TORCHPORT_STRICT", "2", "valid values: 1, true"),
     ],
 )
 def test_invalid_values_name_the_variable_and_the_valid_ones(
@@ -64,3 +66,33 @@ def test_environment_lists_what_matters(monkeypatch: pytest.MonkeyPatch) -> None
     env = _settings.environment()
     assert env["ASCEND_RT_VISIBLE_DEVICES"] == "0,1" and env["TORCHPORT_PROBE"] == "1"
     assert "UNRELATED_VARIABLE" not in env
+
+
+def test_log_strict_and_cache_dir(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    monkeypatch.setenv("TORCHPORT_LOG", " Compile , fallback")
+    monkeypatch.setenv("TORCHPORT_STRICT", "yes")
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(tmp_path / "cache"))
+    s = _settings.get()
+    assert s.log == {"compile", "fallback"} and s.strict is True
+    assert _settings.logging_enabled("compile") and not _settings.logging_enabled("kernels")
+    assert _settings.cache_dir() == str(tmp_path / "cache")
+    monkeypatch.setenv("TORCHPORT_LOG", "all")
+    assert _settings.value("log") == set(_settings.LOG_TOPICS)
+    monkeypatch.delenv("TORCHPORT_CACHE_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert _settings.cache_dir() == str(tmp_path / "xdg" / "torchport")
+    with pytest.raises(ValueError, match="unknown log topic 'pases'"):
+        _settings.logging_enabled("pases")
+
+
+def test_log_messages_reach_stderr_only_when_asked(monkeypatch: pytest.MonkeyPatch, capsys) -> None:
+    from torchport import _logging
+
+    monkeypatch.delenv("TORCHPORT_LOG", raising=False)
+    _logging.log("compile", "pass %s changed %d nodes", "rms_norm", 3)
+    assert capsys.readouterr().err == ""
+    monkeypatch.setenv("TORCHPORT_LOG", "compile")
+    _logging.log("compile", "pass %s changed %d nodes", "rms_norm", 3)
+    _logging.log("kernels", "not wanted")
+    err = capsys.readouterr().err
+    assert "[torchport.compile] pass rms_norm changed 3 nodes" in err and "not wanted" not in err

@@ -28,6 +28,16 @@ Variables:
     ``triton`` or ``npu`` (a forced implementation that cannot run raises). Per-op choices follow, comma-separated:
     ``rms_norm=reference,rope=triton``; a bare mode among them sets the default for the other ops
     (``triton,rope=reference``).
+``TORCHPORT_LOG``
+    Comma-separated topics to log at INFO level through the ``torchport`` logger: ``compile`` (what each pass of
+    the torchport compile backend changed), ``kernels`` (which implementation each op picked, and autotuning),
+    ``fallback`` (ops run on the CPU by :func:`torchport.compat.cpu_fallback`), or ``all``.
+``TORCHPORT_STRICT``
+    ``1`` turns recoverable problems into errors: a compile pass that fails on an unexpected graph raises instead
+    of being skipped with a warning.
+``TORCHPORT_CACHE_DIR``
+    Where torchport keeps what it measured once and reuses across processes (Triton autotuning results).
+    Default: ``$XDG_CACHE_HOME/torchport``, else ``~/.cache/torchport``.
 """
 
 from __future__ import annotations
@@ -41,7 +51,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["KERNEL_MODES", "Settings", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["KERNEL_MODES", "LOG_TOPICS", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -59,6 +69,9 @@ class Settings:
     shim: str | None = None
     report: bool = False
     kernels: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"*": "auto"})
+    log: frozenset[str] = frozenset()
+    strict: bool = False
+    cache_dir: str | None = None
 
 
 # field name -> environment variable
@@ -70,9 +83,13 @@ VARIABLES: dict[str, str] = {
     "shim": "TORCHPORT_SHIM",
     "report": "TORCHPORT_REPORT",
     "kernels": "TORCHPORT_KERNELS",
+    "log": "TORCHPORT_LOG",
+    "strict": "TORCHPORT_STRICT",
+    "cache_dir": "TORCHPORT_CACHE_DIR",
 }
 
 KERNEL_MODES = ("auto", "reference", "triton", "npu")
+LOG_TOPICS = ("compile", "kernels", "fallback")
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings) if field.name != "kernels"}
@@ -118,7 +135,20 @@ def _validate(name: str, value: Any, source: str) -> Any:
         if not 1 <= count <= 16:
             raise ValueError(f"{source}={value!r} is not a device count; valid values: integers 1 to 16")
         return count
-    if name in ("probe", "report"):
+    if name == "log":
+        topics = value if isinstance(value, (set, frozenset, list, tuple)) else str(value).split(",")
+        chosen = {str(topic).strip().lower() for topic in topics} - {""}
+        if "all" in chosen:
+            return frozenset(LOG_TOPICS)
+        unknown = sorted(chosen - set(LOG_TOPICS))
+        if unknown:
+            raise ValueError(
+                f"{source}={value!r}: unknown log topic(s) {', '.join(unknown)}; valid: {', '.join(LOG_TOPICS)}, all"
+            )
+        return frozenset(chosen)
+    if name == "cache_dir":
+        return os.path.abspath(os.path.expanduser(str(value)))
+    if name in ("probe", "report", "strict"):
         if isinstance(value, bool):
             return value
         text = str(value).strip().lower()
@@ -206,6 +236,27 @@ def override(**values: Any) -> Iterator[Settings]:
         yield get()
     finally:
         _overrides.reset(token)
+
+
+def logging_enabled(topic: str) -> bool:
+    """Whether ``TORCHPORT_LOG`` asks for this topic (one of :data:`LOG_TOPICS`)."""
+    if topic not in LOG_TOPICS:
+        raise ValueError(f"unknown log topic {topic!r}; valid: {', '.join(LOG_TOPICS)}")
+    return topic in value("log")
+
+
+def cache_dir() -> str:
+    """The directory for torchport's persistent caches: ``TORCHPORT_CACHE_DIR`` or the user's cache directory.
+
+    Example:
+        >>> torchport.settings.cache_dir()   # doctest: +SKIP
+        '/home/me/.cache/torchport'
+    """
+    chosen = value("cache_dir")
+    if chosen:
+        return chosen
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "torchport")
 
 
 def environment() -> dict[str, str]:
