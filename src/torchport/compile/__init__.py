@@ -1,0 +1,28 @@
+"""``torch.compile(model, backend="torchport")``: torchport's FX passes, then the best compiler for the device.
+
+Also the questions asked before a port: which aten ops does my model run, and which of them does the target
+device lack (:func:`coverage`)?
+
+Example:
+    >>> compiled = torch.compile(model, backend="torchport")
+    >>> torchport.compile.explain(model, x)        # which pass changed what
+"""
+
+from __future__ import annotations
+
+import importlib
+
+__all__ = ["backend", "coverage", "explain", "passes"]
+
+_LAZY = {"backend": "backend", "explain": "backend", "coverage": "coverage", "passes": "passes"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
+        return module if name == _LAZY[name] and name == "passes" else getattr(module, name)
+    raise AttributeError(f"module 'torchport.compile' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -1,0 +1,278 @@
+"""The registry of FX passes run by the ``torchport`` compile backend, and the runner that applies them.
+
+A pass is a function ``GraphModule -> GraphModule`` in its own module of this package, registered with
+:func:`register_pass`. Its docstring shows the pattern it rewrites. While it runs, :func:`context` says for which
+device, in which mode (training or inference) and with which example inputs the graph is being compiled, and
+:func:`note` records, in words, what the pass changed (``torchport.compile.explain`` and ``TORCHPORT_LOG=compile``
+show these notes).
+
+The runner applies the enabled passes in ``order``. A pass that raises on an unexpected graph is skipped with a
+warning and the graph is restored as it was before the pass; under ``TORCHPORT_STRICT=1`` the error is raised.
+
+Example:
+    >>> from torchport.compile import passes
+    >>> [p.name for p in passes.list_passes()][:2]
+    ['dead_code', 'constant_fold']
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+import dataclasses
+import importlib
+import threading
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.fx
+
+from ... import _logging, _settings
+
+__all__ = [
+    "Pass",
+    "PassContext",
+    "PassError",
+    "PassRecord",
+    "context",
+    "get_pass",
+    "list_passes",
+    "note",
+    "register_pass",
+    "run_passes",
+]
+
+# Modules that register the built-in passes, imported when the registry is first asked about passes.
+_BUILTIN_MODULES = (
+    "dead_code",
+    "constant_fold",
+    "conv_bn",
+    "rms_norm",
+    "swiglu",
+    "geglu",
+    "rope",
+    "cross_entropy",
+    "addmm",
+    "channels_last",
+)
+
+GraphPass = Callable[[torch.fx.GraphModule], torch.fx.GraphModule]
+
+
+class PassError(RuntimeError):
+    """A pass failed under ``TORCHPORT_STRICT=1``; the message names the pass and the cause."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Pass:
+    """One registered pass.
+
+    Attributes:
+        name: its name, also the option that switches it off (``options={"passes": {"rms_norm": False}}``).
+        fn: the function ``GraphModule -> GraphModule``.
+        order: passes run by increasing order.
+        training: whether it may run on a graph that will be differentiated (conv + batch-norm folding may not).
+        default: whether it runs when the options do not name it.
+        summary: the first line of its docstring.
+    """
+
+    name: str
+    fn: GraphPass
+    order: int
+    training: bool
+    default: bool
+    summary: str
+
+
+@dataclasses.dataclass(frozen=True)
+class PassContext:
+    """What a pass may ask about the compilation it runs in (see :func:`context`).
+
+    Attributes:
+        device: the device the graph runs on (that of its first tensor input, else torchport's device).
+        training: True when gradients flow through the graph (some input requires grad or a module is training).
+        example_inputs: the example inputs dynamo passed to the backend.
+        options: the backend's options.
+    """
+
+    device: torch.device
+    training: bool
+    example_inputs: Sequence[Any] = ()
+    options: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@dataclasses.dataclass
+class PassRecord:
+    """What one pass did to one graph: its notes, the node count before and after, and an error if it failed."""
+
+    name: str
+    notes: list[str] = dataclasses.field(default_factory=list)
+    nodes_before: int = 0
+    nodes_after: int = 0
+    error: str | None = None
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.notes) or self.nodes_before != self.nodes_after
+
+    def describe(self) -> str:
+        if self.error:
+            return f"{self.name}: skipped ({self.error})"
+        if not self.changed:
+            return f"{self.name}: no change"
+        delta = f"{self.nodes_before} -> {self.nodes_after} nodes"
+        return f"{self.name}: {'; '.join(self.notes) or 'rewrote the graph'} ({delta})"
+
+
+_PASSES: dict[str, Pass] = {}
+_lock = threading.Lock()
+_loaded = False
+_context: contextvars.ContextVar[PassContext | None] = contextvars.ContextVar("torchport_pass_context", default=None)
+_notes: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("torchport_pass_notes", default=None)
+
+
+def register_pass(name: str, *, order: int, training: bool = True, default: bool = True) -> Callable[[GraphPass], GraphPass]:
+    """Register a pass under ``name`` (a duplicate name is an error).
+
+    Example:
+        >>> @register_pass("my_pass", order=500)
+        ... def my_pass(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+        ...     '''Rewrites ``a`` into ``b``.'''
+        ...     return gm
+    """
+
+    def decorate(fn: GraphPass) -> GraphPass:
+        with _lock:
+            if name in _PASSES:
+                raise ValueError(f"a compile pass named {name!r} is already registered ({_PASSES[name].fn.__module__})")
+            summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+            _PASSES[name] = Pass(name, fn, order, training, default, summary)
+        return fn
+
+    return decorate
+
+
+def _ensure_loaded() -> None:
+    global _loaded
+    if _loaded:
+        return
+    with _lock:
+        if _loaded:
+            return
+        _loaded = True
+    for module in _BUILTIN_MODULES:
+        importlib.import_module(f"{__name__}.{module}")
+
+
+def list_passes() -> list[Pass]:
+    """Every registered pass, in the order they run."""
+    _ensure_loaded()
+    return sorted(_PASSES.values(), key=lambda p: (p.order, p.name))
+
+
+def get_pass(name: str) -> Pass:
+    """The pass named ``name``; an unknown name is an error listing the registered ones."""
+    _ensure_loaded()
+    if name not in _PASSES:
+        raise ValueError(f"no compile pass named {name!r}; registered: {', '.join(p.name for p in list_passes())}")
+    return _PASSES[name]
+
+
+def context() -> PassContext:
+    """The compilation the running pass belongs to; outside the runner, a CPU inference context."""
+    current = _context.get()
+    return current if current is not None else PassContext(torch.device("cpu"), training=False)
+
+
+def note(message: str) -> None:
+    """Record what the running pass changed, in words (shown by ``explain`` and ``TORCHPORT_LOG=compile``)."""
+    notes = _notes.get()
+    if notes is not None:
+        notes.append(message)
+
+
+@contextlib.contextmanager
+def running(ctx: PassContext) -> Iterator[None]:
+    """Make ``ctx`` the :func:`context` of passes run inside the block (for running one pass by hand)."""
+    token = _context.set(ctx)
+    try:
+        yield
+    finally:
+        _context.reset(token)
+
+
+def _count(gm: torch.fx.GraphModule) -> int:
+    return sum(1 for node in gm.graph.nodes if node.op not in ("placeholder", "output"))
+
+
+def _snapshot(graph: torch.fx.Graph) -> torch.fx.Graph:
+    copy = torch.fx.Graph(owning_module=graph.owning_module, tracer_cls=graph._tracer_cls)
+    out = copy.graph_copy(graph, {})
+    copy.output(out)
+    return copy
+
+
+def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, enabled: dict[str, bool] | None = None) -> tuple[torch.fx.GraphModule, list[PassRecord]]:
+    """Apply the passes to ``gm`` in order; return the rewritten module and what each pass did.
+
+    Args:
+        gm: the graph to rewrite (changed in place where the passes do so).
+        ctx: the compilation's device, mode, inputs and options.
+        enabled: pass name -> run it or not, overriding each pass's default (unknown names are an error).
+    """
+    enabled = dict(enabled or {})
+    unknown = sorted(set(enabled) - {p.name for p in list_passes()})
+    if unknown:
+        raise ValueError(f"unknown compile pass(es) {', '.join(unknown)}; registered: {', '.join(p.name for p in list_passes())}")
+    strict = _settings.value("strict")
+    records: list[PassRecord] = []
+    with running(ctx):
+        for p in list_passes():
+            if not enabled.get(p.name, p.default) or (ctx.training and not p.training):
+                continue
+            record = PassRecord(p.name, nodes_before=_count(gm))
+            saved = _snapshot(gm.graph)
+            notes: list[str] = []
+            token = _notes.set(notes)
+            try:
+                result = p.fn(gm)
+                if not isinstance(result, torch.fx.GraphModule):
+                    raise TypeError(f"returned {type(result).__name__}, not a GraphModule")
+                result.graph.lint()
+                result.recompile()
+                gm = result
+            except Exception as exc:  # noqa: BLE001 - a pass must never break compilation unless asked to
+                if strict:
+                    raise PassError(f"compile pass {p.name!r} failed: {type(exc).__name__}: {exc}") from exc
+                gm.graph = saved
+                gm.recompile()
+                notes.clear()
+                record.error = f"{type(exc).__name__}: {exc}"
+                warnings.warn(
+                    f"torchport compile pass {p.name!r} failed on this graph and was skipped "
+                    f"({record.error}); set TORCHPORT_STRICT=1 to raise instead",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            finally:
+                _notes.reset(token)
+            record.notes = notes
+            record.nodes_after = _count(gm)
+            records.append(record)
+            if record.changed or record.error:
+                _logging.log("compile", "%s", record.describe())
+    return gm, records
+
+
+def op_counts(gm: torch.fx.GraphModule) -> collections.Counter[str]:
+    """How many nodes call each target, e.g. ``{"torch.rsqrt": 16, ...}`` (a helper for tests and ``explain``)."""
+    counts: collections.Counter[str] = collections.Counter()
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method", "call_module"):
+            target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
+            module = getattr(node.target, "__module__", None) if not isinstance(node.target, str) else None
+            counts[f"{module}.{target}" if module and node.op == "call_function" else str(target)] += 1
+    return counts
