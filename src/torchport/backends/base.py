@@ -196,6 +196,13 @@ class Backend:
         software stack lacks it. Kernel implementations ask for it by the vendor's own name and contract."""
         return None
 
+    # -- compilation -----------------------------------------------------------------------------------------------
+    def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
+        """The compiler ``torch.compile(backend="torchport")`` hands graphs to on this device after torchport's
+        passes: its name and a dynamo backend ``(GraphModule, example_inputs) -> callable``; None runs the graph
+        as it is (eager)."""
+        return "eager", None
+
     # -- dtypes --------------------------------------------------------------------------------------------------
     def claims_dtype(self, dtype: torch.dtype, index: int) -> bool:
         """The vendor's own word on whether a dtype is supported, used when probing is switched off."""

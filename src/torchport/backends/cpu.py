@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -65,6 +66,12 @@ class CpuBackend(Backend):
     dist_backend = "gloo"
     safetensors_direct = True
     pins_memory = False  # host memory is already where the CPU computes
+
+    def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
+        # Inductor generates Triton (GPU) or C++/OpenMP (CPU) code for this device type.
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return "inductor", lookup_backend("inductor")
 
     def is_available(self) -> bool:
         return True

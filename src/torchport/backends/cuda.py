@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -38,6 +39,12 @@ class CudaBackend(Backend):
 
     def module(self):
         return torch.cuda
+
+    def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
+        # Inductor generates Triton (GPU) or C++/OpenMP (CPU) code for this device type.
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return "inductor", lookup_backend("inductor")
 
     def is_available(self) -> bool:
         return torch.cuda.is_available()

@@ -87,6 +87,23 @@ class NpuBackend(Backend):
             return None
         return getattr(importlib.import_module("torch_npu"), name, None)
 
+    def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
+        # TorchAir (shipped with torch_npu) compiles graphs for the Ascend graph engine; without it, torch_npu's
+        # own dynamo backend "npu" where this release registers one; otherwise the graph runs op by op.
+        if not self.is_available():
+            return "eager", None
+        try:
+            torchair = importlib.import_module("torchair")
+        except ImportError:
+            torchair = None
+        if torchair is not None and hasattr(torchair, "get_npu_backend"):
+            return "torchair", torchair.get_npu_backend(compiler_config=torchair.CompilerConfig())
+        from torch._dynamo.backends.registry import list_backends, lookup_backend
+
+        if "npu" in list_backends(exclude_tags=()):
+            return "npu", lookup_backend("npu")
+        return "eager", None
+
     def versions(self) -> dict[str, str | None]:
         torch_npu = sys.modules.get("torch_npu")
         return {
