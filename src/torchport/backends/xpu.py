@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
 
 from . import register_backend
@@ -20,6 +23,12 @@ class XpuBackend(Backend):
 
     def is_available(self) -> bool:
         return hasattr(torch, "xpu") and torch.xpu.is_available()
+
+    def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
+        # Inductor generates Triton code for Intel GPUs (upstream PyTorch ships the XPU Triton backend).
+        from torch._dynamo.backends.registry import lookup_backend
+
+        return "inductor", lookup_backend("inductor")
 
     def versions(self) -> dict[str, str | None]:
         return {"sycl": getattr(torch.version, "xpu", None)}
