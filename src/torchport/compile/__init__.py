@@ -14,13 +14,20 @@ import importlib
 
 __all__ = ["backend", "coverage", "explain", "passes"]
 
-_LAZY = {"backend": "backend", "explain": "backend", "coverage": "coverage", "passes": "passes"}
+# name -> (module, attribute); attribute None: the module itself
+_LAZY = {
+    "backend": ("dynamo_backend", "torchport_backend"),
+    "explain": ("dynamo_backend", "explain"),
+    "coverage": ("coverage", "coverage"),
+    "passes": ("passes", None),
+}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        module = importlib.import_module(f"{__name__}.{_LAZY[name]}")
-        return module if name == _LAZY[name] and name == "passes" else getattr(module, name)
+        module_name, attribute = _LAZY[name]
+        module = importlib.import_module(f"{__name__}.{module_name}")
+        return module if attribute is None else getattr(module, attribute)
     raise AttributeError(f"module 'torchport.compile' has no attribute {name!r}")
 
 
