@@ -29,6 +29,8 @@ def test_environment_is_read_and_normalised(monkeypatch: pytest.MonkeyPatch) -> 
         ("TORCHPORT_PROBE", "maybe", "valid values: 1, true"),
         ("TORCHPORT_LOG", "compile,pases", "unknown log topic(s) pases; valid: compile, kernels, fallback, all"),
         ("TORCHPORT_STRICT", "2", "valid values: 1, true"),
+        ("TORCHPORT_DIST_TIMEOUT", "0", "a positive number of seconds"),
+        ("TORCHPORT_DIST_TIMEOUT", "soon", "a positive number of seconds"),
     ],
 )
 def test_invalid_values_name_the_variable_and_the_valid_ones(

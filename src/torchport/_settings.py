@@ -35,6 +35,9 @@ Variables:
 ``TORCHPORT_STRICT``
     ``1`` turns recoverable problems into errors: a compile pass that fails on an unexpected graph raises instead
     of being skipped with a warning.
+``TORCHPORT_DIST_TIMEOUT``
+    Seconds a process-group start (rendezvous) or a collective may wait for the other processes before failing
+    with an error instead of hanging (default 300).
 ``TORCHPORT_CACHE_DIR``
     Where torchport keeps what it measured once and reuses across processes (Triton autotuning results).
     Default: ``$XDG_CACHE_HOME/torchport``, else ``~/.cache/torchport``.
@@ -72,6 +75,7 @@ class Settings:
     log: frozenset[str] = frozenset()
     strict: bool = False
     cache_dir: str | None = None
+    dist_timeout: float = 300.0
 
 
 # field name -> environment variable
@@ -86,6 +90,7 @@ VARIABLES: dict[str, str] = {
     "log": "TORCHPORT_LOG",
     "strict": "TORCHPORT_STRICT",
     "cache_dir": "TORCHPORT_CACHE_DIR",
+    "dist_timeout": "TORCHPORT_DIST_TIMEOUT",
 }
 
 KERNEL_MODES = ("auto", "reference", "triton", "npu")
@@ -146,6 +151,14 @@ def _validate(name: str, value: Any, source: str) -> Any:
                 f"{source}={value!r}: unknown log topic(s) {', '.join(unknown)}; valid: {', '.join(LOG_TOPICS)}, all"
             )
         return frozenset(chosen)
+    if name == "dist_timeout":
+        try:
+            seconds = float(value)
+        except (TypeError, ValueError):
+            seconds = -1.0
+        if not 0 < seconds < float("inf"):
+            raise ValueError(f"{source}={value!r} is not a timeout; valid values: a positive number of seconds")
+        return seconds
     if name == "cache_dir":
         return os.path.abspath(os.path.expanduser(str(value)))
     if name in ("probe", "report", "strict"):
@@ -246,7 +259,10 @@ def logging_enabled(topic: str) -> bool:
 
 
 def cache_dir() -> str:
-    """The directory for torchport's persistent caches: ``TORCHPORT_CACHE_DIR`` or the user's cache directory.
+    """The directory for torchport's persistent caches: ``TORCHPORT_DIST_TIMEOUT``
+    Seconds a process-group start (rendezvous) or a collective may wait for the other processes before failing
+    with an error instead of hanging (default 300).
+``TORCHPORT_CACHE_DIR`` or the user's cache directory.
 
     Example:
         >>> torchport.settings.cache_dir()   # doctest: +SKIP
