@@ -80,3 +80,23 @@ def test_cuda_names_follow_the_build(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.version, "hip", "6.2.41133")
     assert b.visible_devices_variable == "HIP_VISIBLE_DEVICES"
     assert "rocm_hip" in b.versions()
+
+
+def test_preferred_conv_memory_format(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch
+
+    assert get_backend("npu").preferred_conv_memory_format(0) == torch.contiguous_format
+    assert get_backend("mps").preferred_conv_memory_format(0) == torch.contiguous_format
+    onednn = torch.backends.mkldnn.is_available()
+    assert get_backend("cpu").preferred_conv_memory_format(0) == (torch.channels_last if onednn else torch.contiguous_format)
+    with torch.backends.mkldnn.flags(enabled=False):
+        assert get_backend("cpu").preferred_conv_memory_format(0) == torch.contiguous_format
+    cuda = get_backend("cuda")
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (8, 0))
+    assert cuda.preferred_conv_memory_format(0) == torch.channels_last
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (6, 1))  # no Tensor Cores
+    assert cuda.preferred_conv_memory_format(0) == torch.contiguous_format
+    monkeypatch.setattr(torch.version, "hip", "6.2.41133")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (9, 4))
+    assert cuda.preferred_conv_memory_format(0) == torch.contiguous_format

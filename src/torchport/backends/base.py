@@ -203,6 +203,14 @@ class Backend:
         as it is (eager)."""
         return "eager", None
 
+    def preferred_conv_memory_format(self, index: int) -> torch.memory_format:
+        """The memory format in which this device's convolutions run fastest: ``torch.channels_last`` where its
+        convolution library computes in NHWC (so that NCHW tensors cost a transpose per convolution), else
+        ``torch.contiguous_format``. The ``channels_last`` compile pass converts 4-D convolution inputs when this
+        says ``torch.channels_last``. Here: the default format (Ascend NPUs keep it too: torch_npu allocates NPU
+        tensors only in contiguous format and converts to its internal NC1HWC0 layout itself)."""
+        return torch.contiguous_format
+
     # -- dtypes --------------------------------------------------------------------------------------------------
     def claims_dtype(self, dtype: torch.dtype, index: int) -> bool:
         """The vendor's own word on whether a dtype is supported, used when probing is switched off."""

@@ -46,6 +46,15 @@ class CudaBackend(Backend):
 
         return "inductor", lookup_backend("inductor")
 
+    def preferred_conv_memory_format(self, index: int) -> torch.memory_format:
+        # Tensor Cores (compute capability 7.0 and later) compute convolutions in NHWC; NVIDIA's convolution guide
+        # recommends NHWC "where possible", cuDNN transposes NCHW tensors around each convolution otherwise. On
+        # ROCm, PyTorch sends NHWC convolutions to MIOpen only under PYTORCH_MIOPEN_SUGGEST_NHWC (ConvUtils.h):
+        # a channels-last tensor would be converted back, so the default format stays.
+        if torch.version.hip:
+            return torch.contiguous_format
+        return torch.channels_last if torch.cuda.get_device_capability(index) >= (7, 0) else torch.contiguous_format
+
     def is_available(self) -> bool:
         return torch.cuda.is_available()
 
