@@ -23,7 +23,7 @@ import torch
 
 from .. import _settings
 
-__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES"]
+__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES", "op_support"]
 
 logger = logging.getLogger("torchport")
 
@@ -291,3 +291,85 @@ class Backend:
         """The chip name that Ascend's ATC model compiler takes as ``--soc_version``, or None for devices that
         are not Ascend NPUs."""
         return None
+
+    # -- operators -------------------------------------------------------------------------------------------------
+    #: The dispatcher key of this device's kernels (``"CUDA"``, ``"PrivateUse1"``...), None when it has none.
+    dispatch_key: ClassVar[str | None] = None
+    #: A file of ``torchport/compile/data`` listing the operators this device's library registers kernels for,
+    #: read by ``torchport coverage`` where the library is not loaded; None when torchport ships none.
+    op_snapshot: ClassVar[str | None] = None
+    #: Whether the device's library runs an operator it has no kernel for on the CPU by itself.
+    host_fallback: ClassVar[bool] = False
+
+    def has_kernel(self, op: str) -> bool | None:
+        """Whether this device's library registers a kernel of its own for ``op`` (``"aten::add.Tensor"``; the
+        default overload has no suffix), as this process's dispatcher says. None when the library is not loaded
+        here (it has no kernel for ``aten::empty.memory_format``, which every device registers)."""
+        key = self.dispatch_key
+        if key is None or not _dispatcher_has(_ALLOCATOR_OP, key):
+            return None
+        return _dispatcher_has(op, key)
+
+    def op_support(self, op: str) -> str | None:
+        """How this device runs ``op``: ``"native"``, ``"host"``, ``"missing"`` or None (see :func:`op_support`).
+
+        Example:
+            >>> get_backend("cpu").op_support("aten::erfinv")
+            'native'
+        """
+        return op_support(op, self.has_kernel, self.host_fallback)
+
+
+_ALLOCATOR_OP = "aten::empty.memory_format"
+# PyTorch's kernels that serve every device: written with other operators, which are dispatched one by one.
+_EVERY_DEVICE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd")
+
+
+def _dispatcher_has(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    except RuntimeError:  # no such operator in this torch
+        return False
+
+
+def op_support(op: str, has_kernel: Callable[[str], bool | None], host_fallback: bool = False) -> str | None:
+    """How a device runs the operator ``op``, given which operators its library has kernels for.
+
+    ``"native"``: a kernel of the device's own, or one of PyTorch's that serves every device (a composite kernel,
+    or the functional and in-place variants of a structured operator, which call its out= variant: native when the
+    device has that); ``"host"``: no kernel, but the device's library runs it on the CPU (``host_fallback``) and
+    the CPU has one; ``"missing"``: neither; None: ``has_kernel`` cannot tell.
+
+    Example:
+        >>> op_support("aten::add_.Tensor", lambda op: op == "aten::add.out")
+        'native'
+    """
+    own = has_kernel(op)
+    if own is None:
+        return None
+    if own or any(_dispatcher_has(op, key) for key in _EVERY_DEVICE):
+        return "native"
+    if _dispatcher_has(op, "CompositeExplicitAutogradNonFunctional"):
+        out = _out_variant(op)
+        if out is not None and has_kernel(out):
+            return "native"
+    return "host" if host_fallback and _dispatcher_has(op, "CPU") else "missing"
+
+
+def _out_variant(op: str) -> str | None:
+    """The out= overload that a structured operator's functional or in-place overload calls: aten::add.Tensor and
+    aten::add_.Tensor call aten::add.out."""
+    namespace, _, rest = op.partition("::")
+    name, _, overload = rest.partition(".")
+    base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
+    try:
+        schema = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")._schema
+        packet = getattr(getattr(torch.ops, namespace), base)
+    except (AttributeError, RuntimeError):
+        return None
+    wanted = [(a.name, str(a.type)) for a in schema.arguments]
+    for candidate in packet.overloads():
+        arguments = getattr(packet, candidate)._schema.arguments
+        if any(a.is_out for a in arguments) and [(a.name, str(a.type)) for a in arguments if not a.is_out] == wanted:
+            return f"{namespace}::{base}.{candidate}"
+    return None

@@ -66,6 +66,7 @@ class CpuBackend(Backend):
     dist_backend = "gloo"
     safetensors_direct = True
     pins_memory = False  # host memory is already where the CPU computes
+    dispatch_key = "CPU"
 
     def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
         # Inductor generates Triton (GPU) or C++/OpenMP (CPU) code for this device type.

@@ -32,6 +32,7 @@ class CudaBackend(Backend):
     dist_backend = "nccl"  # on ROCm, RCCL answers to the same name
     safetensors_direct = True
     profiler_activity = "CUDA"
+    dispatch_key = "CUDA"  # ROCm builds register their kernels under CUDA too
 
     @property
     def visible_devices_variable(self) -> str:  # type: ignore[override]

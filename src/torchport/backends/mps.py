@@ -16,6 +16,7 @@ __all__ = ["MpsBackend"]
 class MpsBackend(Backend):
     name = "mps"
     safetensors_direct = True
+    dispatch_key = "MPS"
 
     def is_available(self) -> bool:
         return torch.backends.mps.is_available()

@@ -52,6 +52,11 @@ class NpuBackend(Backend):
     visible_devices_variable = "ASCEND_RT_VISIBLE_DEVICES"
     safetensors_direct = True
     profiler_activity = "PrivateUse1"  # torch_npu registers as PyTorch's PrivateUse1 backend
+    dispatch_key = "PrivateUse1"
+    op_snapshot = "torch_npu_ops.txt"  # torch_npu's operator list, for coverage where torch_npu is not installed
+    # torch_npu runs operators it has no kernel for on the CPU (its PrivateUse1 fallback, VariableFallbackKernel.cpp,
+    # warning "CAUTION: The operator ... will fall back to run on the CPU" once per operator)
+    host_fallback = True
 
     def __init__(self) -> None:
         super().__init__()

@@ -20,6 +20,7 @@ class XpuBackend(Backend):
     visible_devices_variable = "ZE_AFFINITY_MASK"
     safetensors_direct = True
     profiler_activity = "XPU"
+    dispatch_key = "XPU"
 
     def is_available(self) -> bool:
         return hasattr(torch, "xpu") and torch.xpu.is_available()
