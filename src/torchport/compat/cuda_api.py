@@ -87,6 +87,30 @@ def make_stream(target: Target, device: Any = None, priority: int = 0, **kwargs:
     return stream if stream is not None else HostStream(priority=priority)
 
 
+def _vendor_type(module: Any, name: str) -> tuple[type, ...]:
+    found = getattr(module, name, None) if module is not None else None
+    return (found,) if isinstance(found, type) else ()
+
+
+def _factory_type(name: str, make: Any, kinds: tuple[type, ...], on_call: Any) -> type:
+    """A class standing for ``torch.cuda.<name>``: calling it returns ``make(...)``'s object, and ``isinstance``
+    accepts the objects the target produces (``kinds``)."""
+
+    class _Kind(type):
+        def __instancecheck__(cls, obj: Any) -> bool:
+            return isinstance(obj, kinds)
+
+        def __subclasscheck__(cls, sub: type) -> bool:
+            return issubclass(sub, kinds)
+
+    def __new__(cls: type, *args: Any, **kwargs: Any) -> Any:  # noqa: N807
+        on_call()
+        return make(*args, **kwargs)
+
+    return _Kind(name, (), {"__new__": __new__, "__module__": "torch.cuda",
+                            "__doc__": f"torch.cuda.{name}, made on the device the program runs on."})
+
+
 def _memory(target: Target, key: str, host_key: str) -> Any:
     def read(device: Any = None) -> int:
         stats = target.backend.memory_stats(target.index(device))
@@ -169,9 +193,16 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
     redirect("get_device_properties", get_device_properties)
     redirect("get_device_capability", get_device_capability)
 
-    redirect("Event", lambda enable_timing=False, blocking=False, interprocess=False: make_event(
-        target, enable_timing=enable_timing))
-    redirect("Stream", lambda device=None, priority=0, **kwargs: make_stream(target, device, priority))
+    # Programs and libraries also use these two as types (isinstance, ``torch.cuda.Stream | None`` annotations):
+    # they stay classes, whose construction returns the target's object.
+    vendor = target.backend.module() if not target.host else None
+    patcher.set(cuda, "Event", _factory_type(
+        "Event", lambda enable_timing=False, blocking=False, interprocess=False: make_event(
+            target, enable_timing=enable_timing),
+        (HostEvent, *_vendor_type(vendor, "Event")), lambda: record("torch.cuda.Event")))
+    patcher.set(cuda, "Stream", _factory_type(
+        "Stream", lambda device=None, priority=0, **kwargs: make_stream(target, device, priority),
+        (HostStream, *_vendor_type(vendor, "Stream")), lambda: record("torch.cuda.Stream")))
 
     def current_stream(device: Any = None) -> Any:
         return backend.current_stream(target.index(device)) or _HOST_STREAM
