@@ -130,6 +130,19 @@ def test_cuda_only_imports_fail_with_a_hint(shim: torch.device) -> None:
         import cupy  # noqa: F401
     found = {row["name"] for row in compat.report()["cuda_only"]}
     assert {"flash_attn", "cupy"} <= found
+    # a library probing for the package (transformers does, at import) is told it is absent, not given an error
+    import importlib.util
+
+    assert importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("cupyx") is None
+
+
+def test_stream_and_event_stay_types(shim: torch.device) -> None:
+    stream, event = torch.cuda.Stream(), torch.cuda.Event(enable_timing=True)
+    assert isinstance(stream, torch.cuda.Stream) and isinstance(event, torch.cuda.Event)
+    assert not isinstance(event, torch.cuda.Stream) and not isinstance(1, torch.cuda.Event)
+    assert (torch.cuda.Stream | None).__args__ == (torch.cuda.Stream, type(None))  # annotations in transformers
+    counts = {row["api"]: row["count"] for row in compat.report()["redirected"]}
+    assert counts["torch.cuda.Stream"] >= 1 and counts["torch.cuda.Event"] >= 1
 
 
 def test_cuda_extension_builds_fail_clearly(shim: torch.device, tmp_path) -> None:

@@ -27,6 +27,21 @@ CUDA_ONLY_PACKAGES = {
 _CPP_EXTENSION = "torch.utils.cpp_extension"
 
 
+_PROBE = importlib.util.find_spec.__code__
+
+
+def _probing() -> bool:
+    """Whether the running import search was started by ``importlib.util.find_spec`` rather than an import."""
+    frame = sys._getframe(2)
+    for _ in range(8):
+        if frame is None:
+            return False
+        if frame.f_code is _PROBE:
+            return True
+        frame = frame.f_back
+    return False
+
+
 class _Guard(importlib.abc.MetaPathFinder):
     def __init__(self, target: Target, on_cpp_extension: Any) -> None:
         self.target = target
@@ -37,7 +52,9 @@ class _Guard(importlib.abc.MetaPathFinder):
             return self._after_loading(name)
         top = name.partition(".")[0]
         hint = CUDA_ONLY_PACKAGES.get(top)
-        if hint is None:
+        if hint is None or _probing():
+            # a library asking importlib.util.find_spec whether the package exists is told it does not, so it
+            # takes its own fallback (transformers probes flash_attn this way at import)
             return None
         self.target.recorder.find(top, hint)
         raise ImportError(
