@@ -10,6 +10,10 @@ machine with no other accelerator; ``scripts/test.sh`` runs a second pass, ``--d
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -108,3 +112,29 @@ def dtype(request: pytest.FixtureRequest, device: torch.device) -> torch.dtype:
     if not get_backend(device.type).dtype_works(chosen, device.index or 0):
         pytest.skip(f"{chosen} does not work on {device} (dtype probe)")
     return chosen
+
+
+# Variables that would change what a child process does, whatever the test asks: torchport's own settings, and
+# those of a torchrun launch that may surround the pytest process.
+_LAUNCH_VARS = {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT",
+                "TORCHELASTIC_RUN_ID"}
+
+
+def _clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without TORCHPORT_* and torchrun variables, plus ``extra``."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith("TORCHPORT_") and key not in _LAUNCH_VARS}
+    return {**env, "COLUMNS": "200", **extra}
+
+
+def _run_python(*args: str, cwd: Path, env: dict[str, str] | None = None,
+                timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, *args], cwd=cwd, env=_clean_env(**(env or {})),
+                          capture_output=True, text=True, timeout=timeout, check=False)
+
+
+@pytest.fixture(scope="session")
+def run_python() -> Callable[..., subprocess.CompletedProcess[str]]:
+    """``run_python(*args, cwd=..., env={...})``: ``python *args`` in a fresh process, with the environment cleaned of
+    TORCHPORT_* and torchrun variables and ``env`` added; output captured as text; 120 s timeout by default."""
+    return _run_python

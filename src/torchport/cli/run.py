@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 import runpy
+import subprocess
 import sys
 import traceback
 from types import TracebackType
@@ -22,6 +23,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
                         help="the script and its arguments (with -m: the module's arguments)")
+    group = parser.add_argument_group(
+        "several processes", "start the program once per device through torchrun (torch.distributed.run); the "
+        "other options are passed on to torchrun for multi-node runs")
+    group.add_argument("--nproc-per-node", metavar="N",
+                       help="processes on this node: a number, or 'auto' for one per device of the chosen type")
+    for flag in _TORCHRUN_VALUES:
+        group.add_argument(flag, metavar="VALUE", help=argparse.SUPPRESS)
+    group.add_argument("--standalone", action="store_true", help=argparse.SUPPRESS)
+
+
+# torchrun options taking a value that `torchport run --nproc-per-node` passes through
+_TORCHRUN_VALUES = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-backend", "--rdzv-endpoint",
+                    "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--log-dir", "--local-addr")
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -35,6 +49,11 @@ def handle(args: argparse.Namespace) -> int:
         script = args.program[0]
         if not os.path.isfile(script):
             raise argparse.ArgumentError(None, f"script {script!r} does not exist (looked in {os.getcwd()})")
+    passed = _torchrun_arguments(args)
+    if args.nproc_per_node is None and passed:
+        raise argparse.ArgumentError(None, f"{passed[0]} is a torchrun option: give --nproc-per-node N with it")
+    if args.nproc_per_node is not None:
+        return _launch(args, passed)
     try:
         report = args.report or _settings.value("report")
         resolve(args.device, source="--device")
@@ -50,6 +69,64 @@ def handle(args: argparse.Namespace) -> int:
         if report:
             sys.stdout.flush()
             compat.print_report()
+
+
+def _torchrun_arguments(args: argparse.Namespace) -> list[str]:
+    passed: list[str] = []
+    for flag in _TORCHRUN_VALUES:
+        value = getattr(args, flag[2:].replace("-", "_"))
+        if value is not None:
+            passed += [flag, value]
+    if args.standalone:
+        passed.append("--standalone")
+    return passed
+
+
+def _process_count(value: str, device: str | None) -> int:
+    from ..device import resolve
+
+    try:
+        backend, _ = resolve(device, source="--device")
+    except (ValueError, RuntimeError) as exc:
+        raise argparse.ArgumentError(None, str(exc)) from exc
+    host = backend.device(0).index is None  # the CPU: any number of processes share it
+    count = 1 if host else backend.device_count()
+    if value == "auto":
+        return count
+    try:
+        wanted = int(value)
+    except ValueError:
+        wanted = 0
+    if wanted < 1:
+        raise argparse.ArgumentError(None, f"--nproc-per-node {value!r}: give a positive number, or 'auto'")
+    if not host and wanted > count:
+        raise argparse.ArgumentError(
+            None,
+            f"--nproc-per-node {wanted} but this node has {count} {backend.name} device(s): each process needs its "
+            f"own device; use at most {count}, or --device cpu to run the processes on the CPU",
+        )
+    return wanted
+
+
+def _launch(args: argparse.Namespace, passed: list[str]) -> int:
+    """Start ``torchrun --nproc-per-node N [passed] -m torchport run ...``; return its exit code."""
+    count = _process_count(args.nproc_per_node, args.device)
+    multi_node = any(flag in passed for flag in ("--nnodes", "--rdzv-endpoint", "--master-addr"))
+    rendezvous = [] if multi_node or "--standalone" in passed else ["--standalone"]
+    inner = ["-m", "torchport", "run"]
+    if args.device:
+        inner += ["--device", args.device]
+    if args.report:
+        inner.append("--report")
+    inner += ["-m", args.module, *args.program] if args.module else args.program
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(count), *rendezvous, *passed,
+               *inner]
+    process = subprocess.Popen(command)
+    while True:
+        try:
+            return process.wait()
+        except KeyboardInterrupt:  # torchrun got the same signal and stops its workers; wait for it
+            continue
 
 
 def run_program(module: str | None, program: list[str]) -> int:
