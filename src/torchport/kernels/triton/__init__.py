@@ -3,6 +3,10 @@
 Keeping them out of the op modules means ``torchport.kernels`` works where Triton is not installed and does not pay
 Triton's import time on devices that never use it. The kernels run on CUDA/ROCm GPUs, and on the CPU under Triton's
 interpreter (``TRITON_INTERPRET=1``), which is how the test suite checks the kernel code on machines without a GPU.
+
+Launch configurations (block sizes, warps, programs per multiprocessor) are chosen by :mod:`.autotune`: timed once
+per shape bucket on the GPU, remembered in ``TORCHPORT_CACHE_DIR`` for later processes; the hand-tuned heuristic is
+the first candidate, and the only one where nothing can be timed.
 """
 
 from __future__ import annotations

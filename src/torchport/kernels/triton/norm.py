@@ -27,12 +27,11 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import multiprocessor_count, next_power_of_2, rows_view
+from . import autotune, multiprocessor_count, next_power_of_2, rows_view
 
 __all__ = ["MAX_FUSED", "layer_norm", "rms_norm"]
 
 MAX_FUSED = 16384  # longest row (elements) held in registers by one program
-_CHUNK = 4096  # columns per step in the chunked kernels
 
 
 @triton.jit
@@ -194,25 +193,108 @@ def _bwd_chunked_kernel(
                 tl.store(part, tl.load(part, mask=col_ok, other=0.0) + dy, mask=col_ok)
 
 
-def _fwd_config(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) for rows of ``n`` columns held whole in registers."""
-    block_n = next_power_of_2(n)
+# Launch configurations. The tuner (autotune.py) times these candidates once per bucket — the row width rounded up
+# to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
+# list is the hand-tuned heuristic, used as it is where nothing can be timed. Programs per multiprocessor only go
+# down from the heuristic: the weight-gradient partial sums (programs x n x 4 bytes) never grow past its size.
+_ROWS = (256, 65536)  # row-count buckets: 256, 1024, 4096, 16384, 65536 and more
+_MAX_WARPS = 32
+
+
+def _fwd_heuristic(block_n: int) -> tuple[int, int]:
+    """(BLOCK_M, num_warps) for rows of ``block_n`` columns held whole in registers."""
     block_m = max(1, min(32, 2048 // block_n))  # short rows: a few KiB per program
     tile = block_m * block_n
-    num_warps = 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-    return block_m, block_n, num_warps
+    return block_m, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
 
 
-def _bwd_config(n: int, is_rms: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, programs per multiprocessor) for the persistent backward."""
-    block_m, block_n, num_warps = _fwd_config(n)
+def _fwd_candidates(block_n: int, rows: int) -> list[autotune.Config]:
+    m, w = _fwd_heuristic(block_n)
+    return autotune.distinct([
+        {"BLOCK_M": m, "num_warps": w},
+        {"BLOCK_M": m, "num_warps": max(1, w // 2)},
+        {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2)},
+        {"BLOCK_M": max(1, m // 2), "num_warps": w},
+        {"BLOCK_M": m * 2, "num_warps": w},
+        {"BLOCK_M": m * 2, "num_warps": min(_MAX_WARPS, w * 2)},
+    ])
+
+
+def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int]:
+    """(BLOCK_M, num_warps, programs per multiprocessor) for the persistent backward."""
     if 2048 <= block_n <= 8192:
         # H100, 8192 x 4096 bf16, best of 36 settings: RMSNorm 4 rows x 16 warps, 1 program per SM, 0.085 ms;
         # LayerNorm 2 rows x 8 warps, 1 per SM, 0.101 ms (best 0.100). One program per SM also keeps the
         # partial weight gradients small (132 x 4096 x 4 bytes = 2.1 MiB per parameter).
-        return (min(4, 16384 // block_n), block_n, 16, 1) if is_rms else (min(2, 8192 // block_n), block_n, 8, 1)
+        return (min(4, 16384 // block_n), 16, 1) if is_rms else (min(2, 8192 // block_n), 8, 1)
+    block_m, num_warps = _fwd_heuristic(block_n)
     per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
-    return block_m, block_n, num_warps, per_sm
+    return block_m, num_warps, per_sm
+
+
+def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
+    def candidates(block_n: int, rows: int) -> list[autotune.Config]:
+        m, w, p = _bwd_heuristic(block_n, is_rms)
+        return autotune.distinct([
+            {"BLOCK_M": m, "num_warps": w, "per_sm": p},
+            {"BLOCK_M": m, "num_warps": max(1, w // 2), "per_sm": p},
+            {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2), "per_sm": p},
+            {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": p},
+            {"BLOCK_M": m * 2, "num_warps": w, "per_sm": p},
+            {"BLOCK_M": m, "num_warps": w, "per_sm": p // 2} if p > 1 else
+            {"BLOCK_M": max(1, m // 2), "num_warps": max(1, w // 2), "per_sm": p},
+        ])
+
+    return candidates
+
+
+def _fwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
+    return [{"BLOCK_N": c, "num_warps": w} for c, w in ((4096, 8), (4096, 4), (4096, 16), (2048, 4), (8192, 8),
+                                                         (8192, 16))]
+
+
+def _bwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
+    return [{"BLOCK_N": c, "num_warps": w, "per_sm": p}
+            for c, w, p in ((4096, 8, 2), (4096, 4, 2), (4096, 16, 2), (2048, 8, 2), (8192, 8, 2), (4096, 8, 1))]
+
+
+def _bucket(m: int, n: int) -> tuple[int, int]:
+    return next_power_of_2(n), autotune.coarse(m, *_ROWS)
+
+
+_FIELDS = ("block_n", "rows")
+# (is_rms, fused) -> Tunable
+_FORWARD = {
+    (True, True): autotune.Tunable("rms_norm.forward", _FIELDS, _bucket, _fwd_candidates),
+    (False, True): autotune.Tunable("layer_norm.forward", _FIELDS, _bucket, _fwd_candidates),
+    (True, False): autotune.Tunable("rms_norm.forward_chunked", _FIELDS, _bucket, _fwd_chunked_candidates),
+    (False, False): autotune.Tunable("layer_norm.forward_chunked", _FIELDS, _bucket, _fwd_chunked_candidates),
+}
+_BACKWARD = {
+    (True, True): autotune.Tunable("rms_norm.backward", _FIELDS, _bucket, _bwd_candidates(True)),
+    (False, True): autotune.Tunable("layer_norm.backward", _FIELDS, _bucket, _bwd_candidates(False)),
+    (True, False): autotune.Tunable("rms_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
+    (False, False): autotune.Tunable("layer_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
+}
+
+
+def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,
+                    bias: torch.Tensor | None, y: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
+                    eps: float, offset: float, is_rms: bool) -> None:
+    m, n = rows.shape
+    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None)
+    # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
+    args = (rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
+            mean if mean is not None else rstd, rstd)
+    if n <= MAX_FUSED:
+        block_m = config["BLOCK_M"]
+        _fwd_kernel[(triton.cdiv(m, block_m),)](
+            *args, m, n, rows.stride(0), n, eps, offset,
+            **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"],
+        )
+    else:
+        _fwd_chunked_kernel[(m,)](*args, n, rows.stride(0), n, eps, offset, **flags,
+                                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
@@ -220,24 +302,40 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
     n = x.shape[-1]
     rows = x if x.dim() == 2 and x.stride(1) == 1 else rows_view(x, n)
     m = rows.shape[0]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=x.device)
-    rstd = torch.empty(m, dtype=torch.float32, device=x.device)
+    device = x.device
+    y = torch.empty(x.shape, dtype=x.dtype, device=device)
+    mean = None if is_rms else torch.empty(m, dtype=torch.float32, device=device)
+    rstd = torch.empty(m, dtype=torch.float32, device=device)
     if m and n:
-        flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None)
-        # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
-        args = (rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
-                mean if mean is not None else rstd, rstd)
-        if n <= MAX_FUSED:
-            block_m, block_n, num_warps = _fwd_config(n)
-            _fwd_kernel[(triton.cdiv(m, block_m),)](
-                *args, m, n, rows.stride(0), n, eps, offset,
-                **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps,
-            )
-        else:
-            _fwd_chunked_kernel[(m,)](*args, n, rows.stride(0), n, eps, offset, **flags,
-                                      BLOCK_N=_CHUNK, num_warps=8)
+        tunable = _FORWARD[is_rms, n <= MAX_FUSED]
+        args = (rows, weight, bias, y, mean, rstd, eps, offset, is_rms)
+        config = tunable.lookup(device, x.dtype, m, n)
+        if config is None:  # first launch at these sizes: candidates may write y, mean and rstd, rewritten below
+            config = tunable.tune(device, x.dtype, (m, n), lambda c: _launch_forward(c, *args))
+        _launch_forward(config, *args)
     return y, mean, rstd, rows
+
+
+def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None, dy_rows: torch.Tensor,
+                     dx: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, want_dw: bool,
+                     want_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch the backward; returns the per-program partial sums of dweight and dbias (``rstd`` when not wanted)."""
+    m, n = rows.shape
+    fused = n <= MAX_FUSED
+    block_m = config["BLOCK_M"] if fused else 1
+    programs = min(triton.cdiv(m, block_m), multiprocessor_count(rows.device) * config["per_sm"])
+    alloc = torch.empty if fused else torch.zeros
+    dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else rstd
+    db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd
+    args = (rows, weight if weight is not None else rows, dy_rows, dx, mean if mean is not None else rstd, rstd,
+            dw, db, m, n, rows.stride(0), dy_rows.stride(0), n, offset)
+    flags = dict(IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db)
+    if fused:
+        _bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
+                                 num_warps=config["num_warps"])
+    else:
+        _bwd_chunked_kernel[(programs,)](*args, **flags, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+    return dw, db
 
 
 def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
@@ -252,19 +350,15 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None,
     if m == 0 or n == 0:
         zeros = torch.zeros(n, dtype=torch.float32, device=rows.device)
         return dx, zeros if want_dw else None, zeros if want_db else None
-    fused = n <= MAX_FUSED
-    block_m, block_n, num_warps, per_sm = _bwd_config(n, mean is None) if fused else (1, _CHUNK, 8, 2)
-    programs = min(triton.cdiv(m, block_m), multiprocessor_count(rows.device) * per_sm)
-    alloc = torch.empty if fused else torch.zeros
-    dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else rstd
-    db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd
-    args = (rows, weight if weight is not None else rows, dy_rows, dx, mean if mean is not None else rstd, rstd,
-            dw, db, m, n, rows.stride(0), dy_rows.stride(0), n, offset)
-    flags = dict(IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db)
-    if fused:
-        _bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=num_warps)
-    else:
-        _bwd_chunked_kernel[(programs,)](*args, **flags, BLOCK_N=block_n, num_warps=num_warps)
+    device = rows.device
+    tunable = _BACKWARD[mean is None, n <= MAX_FUSED]
+    args = (rows, weight, dy_rows, dx, mean, rstd, offset, want_dw, want_db)
+    config = tunable.lookup(device, rows.dtype, m, n)
+    if config is None:
+        # Candidates write a scratch dx when dx is dy's memory: dy must reach the final launch intact.
+        scratch = args if dx is not dy else (rows, weight, dy_rows, torch.empty_like(dx), *args[4:])
+        config = tunable.tune(device, rows.dtype, (m, n), lambda c: _launch_backward(c, *scratch))
+    dw, db = _launch_backward(config, *args)
     return dx, dw.sum(0) if want_dw else None, db.sum(0) if want_db else None
 
 

@@ -23,14 +23,30 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import next_power_of_2
+from . import autotune, next_power_of_2
 
 __all__ = ["rope"]
 
-# H100, q 4x32x2048x128 + k 4x8x2048x128 bf16, forward: 4 positions x 4 warps 0.0665 ms (86% of copy bandwidth);
-# the best of 28 settings was 0.0663 ms, the worst (one position per program) 0.60 ms.
-_BLOCK_S = 4  # positions per program
-_NUM_WARPS = 4
+# Launch configurations: positions per program (at most; fewer for short sequences or wide heads) and warps. The
+# tuner (autotune.py) times them once per bucket — half the head dim rounded up to a power of two, a coarse count
+# of positions (batch x seq) and the head count (q + k) rounded up to a power of two — and keeps the fastest. The
+# first is the heuristic: H100, q 4x32x2048x128 + k 4x8x2048x128 bf16, forward: 4 positions x 4 warps 0.0665 ms
+# (86% of copy bandwidth); the best of 28 settings was 0.0663 ms, the worst (one position per program) 0.60 ms.
+_CANDIDATES = [{"BLOCK_S": s, "num_warps": w} for s, w in ((4, 4), (2, 4), (8, 4), (4, 8), (8, 8), (4, 2))]
+_POSITIONS = (256, 65536)  # buckets: 256, 1024, 4096, 16384, 65536 and more
+
+
+def _bucket(positions: int, half: int, heads: int) -> tuple[int, int, int]:
+    return next_power_of_2(half), autotune.coarse(positions, *_POSITIONS), next_power_of_2(heads)
+
+
+def _candidates(block_d: int, positions: int, heads: int) -> list[autotune.Config]:
+    return list(_CANDIDATES)
+
+
+_FIELDS = ("block_d", "positions", "heads")
+_TUNED = {False: autotune.Tunable("rope.forward", _FIELDS, _bucket, _candidates),
+          True: autotune.Tunable("rope.backward", _FIELDS, _bucket, _candidates)}
 
 
 @triton.jit
@@ -95,18 +111,31 @@ def _launch(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
     if batch * seq == 0 or dim == 0:
         return q_out, k_out
     half = dim // 2
+    args = (q, k, cos, sin, q_out, k_out, backward)
+    tunable = _TUNED[backward]
+    sizes = (batch * seq, half, heads_q + heads_k)
+    config = tunable.lookup(q.device, q.dtype, *sizes)
+    if config is None:  # first launch at these sizes: candidates may write q_out and k_out, rewritten below
+        config = tunable.tune(q.device, q.dtype, sizes, lambda c: _launch_kernel(c, *args))
+    _launch_kernel(config, *args)
+    return q_out, k_out
+
+
+def _launch_kernel(config: autotune.Config, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                   q_out: torch.Tensor, k_out: torch.Tensor, backward: bool) -> None:
+    batch, heads_q, seq, dim = q.shape
+    half = dim // 2
     block_d = next_power_of_2(half)
-    block_s = max(1, min(_BLOCK_S, next_power_of_2(seq), 4096 // block_d))
+    block_s = max(1, min(config["BLOCK_S"], next_power_of_2(seq), 4096 // block_d))
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     s_sb = sin.stride(0) if sin.shape[0] > 1 else 0
     _rope_kernel[(batch * triton.cdiv(seq, block_s),)](
-        q, k, cos, sin, q_out, k_out, seq, heads_q, heads_k, half,
+        q, k, cos, sin, q_out, k_out, seq, heads_q, k.shape[1], half,
         *(q.stride(i) for i in range(3)), *(k.stride(i) for i in range(3)),
         *(q_out.stride(i) for i in range(3)), *(k_out.stride(i) for i in range(3)),
         c_sb, cos.stride(1), s_sb, sin.stride(1),
-        BACKWARD=backward, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=_NUM_WARPS,
+        BACKWARD=backward, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=config["num_warps"],
     )
-    return q_out, k_out
 
 
 class _RopeFunction(torch.autograd.Function):

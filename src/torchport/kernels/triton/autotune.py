@@ -1,0 +1,487 @@
+"""Launch configurations chosen by timing, once per shape bucket, and remembered across processes.
+
+Each kernel declares a :class:`Tunable`: a name, the fields of its shape bucket (say the row length rounded up to a
+power of two and a coarse row count), and a function giving the candidate configurations of a bucket — block
+sizes, warps, programs per multiprocessor — with the hand-tuned heuristic first. The first launch in a bucket
+times every candidate on the device (``triton.testing.do_bench``, median, L2 cleared before each run), keeps the
+fastest, and writes it to a JSON file in ``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``),
+one file per device model, Triton version and torchport version. Later launches in the process find it in a dict
+keyed by the exact sizes (``Tunable.lookup``); later processes read it from the file and time nothing.
+
+Where nothing can be timed — Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), a device without events,
+inside ``torch.compile`` tracing or CUDA-graph capture — the heuristic is used and nothing is written.
+
+Candidates that fail (too much shared memory, a compile error) are skipped, and the failure is stored with the
+entry. A cache file that cannot be read or parsed is reported once with a warning and ignored; it never stops a
+kernel. Processes sharing a cache directory take a lock on the file while they tune (POSIX ``flock``), so eight
+ranks of one job tune a bucket once and launch the same configuration; files are replaced atomically
+(temporary file + ``os.replace``) after merging with what is already there.
+
+Example:
+    >>> from torchport.kernels.triton import autotune
+    >>> autotune.entries()          # what the cache holds, one dict per tuned bucket
+    >>> autotune.set_enabled(False) # heuristics only, nothing timed, read or written
+    >>> autotune.clear_cache()      # delete the cache files and forget this process's choices
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import logging
+import math
+import os
+import re
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+import triton
+
+from ... import __version__, _logging, _settings
+from ...backends import get_backend
+
+__all__ = ["FORMAT", "Tunable", "cache_path", "clear_cache", "coarse", "distinct", "enabled", "entries", "list_tunables",
+           "set_enabled", "timer"]
+
+FORMAT = 1  # version of the file layout
+_WARMUP_MS, _REP_MS = 5, 25  # do_bench budget per candidate: 6 candidates tune in roughly 0.2-0.5 s
+_MARGIN = 0.02  # another candidate replaces the heuristic only when it is at least 2% faster
+_MEMO_SIZE = 4096  # distinct sizes remembered per kernel before the exact-size memo starts over
+_LOCK_WAIT_S = 120.0  # how long a process waits for another one's tuning before going on unlocked
+
+Config = dict[str, int]
+Launch = Callable[[Config], Any]
+
+#: The function that times one candidate: ``timer(run, config, device) -> milliseconds``, where ``run()``
+#: launches the kernel once with ``config``. None: ``triton.testing.do_bench`` where the device can be timed,
+#: and no tuning elsewhere. Tests and experiments replace it (a set timer is used even under the interpreter).
+timer: Callable[[Callable[[], Any], Config, torch.device], float] | None = None
+
+logger = logging.getLogger("torchport")
+_lock = threading.RLock()
+_tunables: dict[str, Tunable] = {}
+_enabled = True
+_warned: set[tuple[str, str]] = set()
+
+
+class Tunable:
+    """One kernel's launch configuration, chosen per (device, dtype, shape bucket).
+
+    Args:
+        name: unique, e.g. ``"rms_norm.forward"``; part of the cache key.
+        fields: names of the bucket's values, e.g. ``("block_n", "rows")``.
+        bucket: ``bucket(*sizes)`` -> the bucket (a tuple of ints, one per field) of a launch's sizes.
+        candidates: ``candidates(*bucket)`` -> configurations (dicts of ints), the heuristic first, at most six.
+            Every candidate must be valid for every shape in the bucket and compute the same result up to float
+            rounding.
+
+    Example:
+        >>> FORWARD = Tunable("rms_norm.forward", ("block_n", "rows"), bucket, candidates)
+        >>> config = FORWARD.lookup(x.device, x.dtype, m, n)
+        >>> if config is None:
+        ...     config = FORWARD.tune(x.device, x.dtype, (m, n), lambda c: launch(c, x, y))
+    """
+
+    __slots__ = ("name", "fields", "bucket", "candidates", "_memo", "_chosen")
+
+    def __init__(self, name: str, fields: Sequence[str], bucket: Callable[..., tuple[int, ...]],
+                 candidates: Callable[..., list[Config]]) -> None:
+        with _lock:
+            if name in _tunables:
+                raise ValueError(f"a tunable kernel named {name!r} already exists; registered: {', '.join(_tunables)}")
+            _tunables[name] = self
+        self.name = name
+        self.fields = tuple(fields)
+        self.bucket = bucket
+        self.candidates = candidates
+        self._memo: dict[tuple[Any, ...], Config] = {}  # (device, dtype, *sizes) -> config: the hot path
+        self._chosen: dict[tuple[Any, ...], Config] = {}  # (device, dtype, bucket) -> config
+
+    def __repr__(self) -> str:
+        return f"Tunable({self.name!r}, fields={self.fields})"
+
+    def lookup(self, *key: Any) -> Config | None:
+        """``lookup(device, dtype, *sizes)``: the configuration already chosen in this process for these exact
+        sizes, or None (then call :meth:`tune`).
+
+        The hot path of every launch: one dict access keyed by the sizes themselves, so no bucket is computed.
+        The returned dict is shared; do not modify it.
+        """
+        return self._memo.get(key)
+
+    def tune(self, device: torch.device, dtype: torch.dtype, sizes: tuple[int, ...], launch: Launch) -> Config:
+        """Choose the configuration for ``sizes``' bucket: already chosen, from the cache file, by timing, or the
+        heuristic.
+
+        ``launch(config)`` runs the kernel once with ``config`` on the real inputs; it must not write over anything
+        the caller still needs (the tuner runs it several times per candidate).
+        """
+        bucket = tuple(self.bucket(*sizes))
+        with _lock:
+            chosen = self._chosen.get((device, dtype, bucket))
+            keep = True
+            if chosen is None:
+                chosen, keep = self._choose(device, dtype, bucket, launch)
+                if keep:
+                    self._chosen[device, dtype, bucket] = chosen
+            if keep:
+                if len(self._memo) >= _MEMO_SIZE:  # many distinct sizes (e.g. varying sequence lengths)
+                    self._memo.clear()
+                self._memo[(device, dtype, *sizes)] = chosen
+            return chosen
+
+    def key(self, dtype: torch.dtype, bucket: tuple[int, ...]) -> str:
+        """The entry's key in the cache file, e.g. ``"rms_norm.forward bfloat16 block_n=4096,rows=16384"``."""
+        if len(bucket) != len(self.fields):
+            raise ValueError(f"{self.name}: bucket {bucket} does not match its fields {self.fields}")
+        return f"{self.name} {_dtype_name(dtype)} " + ",".join(f"{f}={v}" for f, v in zip(self.fields, bucket))
+
+    # -- the slow path: once per bucket and process ---------------------------------------------------------------
+    def _choose(self, device: torch.device, dtype: torch.dtype, bucket: tuple[int, ...],
+                launch: Launch) -> tuple[Config, bool]:
+        """(configuration, whether to remember it in this process)."""
+        candidates = [dict(c) for c in self.candidates(*bucket)]
+        if not candidates:
+            raise ValueError(f"{self.name}: no candidate configuration for bucket {bucket}")
+        heuristic = candidates[0]
+        if not _enabled:
+            return heuristic, True
+        if _capturing(device):
+            return heuristic, False  # timing would break the trace or the graph; choose on the next eager launch
+        time_one = timer if timer is not None else (_do_bench if _can_time(device) else None)
+        if time_one is None:
+            return heuristic, True  # Triton's interpreter or a device without events: nothing to time
+        key = self.key(dtype, bucket)
+        path = cache_path(device)
+        with _file_lock(path):
+            entry = _read(path).get(key)
+            cached = _valid_config(entry, candidates)
+            if cached is not None:
+                _logging.log("kernels", "autotune %s: %s from %s", key, cached, path)
+                return cached, True
+            entry = _measure(key, candidates, launch, time_one, device)
+            if entry is None:
+                return heuristic, True
+            if entry["config"] is None:
+                return heuristic, True  # every candidate failed: the launch will raise its own error
+            entry["shape_bucket"] = dict(zip(self.fields, bucket))
+            _write(path, key, entry, device)
+        return entry["config"], True
+
+
+def _measure(key: str, candidates: list[Config], launch: Launch, time_one: Callable[..., float],
+             device: torch.device) -> dict[str, Any] | None:
+    """Time every candidate; the entry to store, or None when tuning had to stop (out of memory)."""
+    start = time.perf_counter()
+    timings: list[dict[str, Any]] = []
+    failed: list[dict[str, Any]] = []
+    for config in candidates:
+        try:
+            launch(config)  # compiles; a config the device cannot run fails here
+            ms = float(time_one(functools.partial(launch, config), config, device))
+            if not (math.isfinite(ms) and ms >= 0):
+                raise ValueError(f"the timer returned {ms!r} ms")
+        except torch.OutOfMemoryError:
+            _logging.log("kernels", "autotune %s: out of memory while timing %s; using the heuristic %s",
+                         key, config, candidates[0])
+            return None
+        except Exception as exc:  # noqa: BLE001 - any failure of one candidate only removes that candidate
+            failed.append({"config": config, "error": f"{type(exc).__name__}: {exc}"[:500]})
+            continue
+        timings.append({"config": config, "ms": ms})
+    best = min(timings, key=lambda t: t["ms"], default=None)
+    elapsed = time.perf_counter() - start
+    heuristic_ms = next((t["ms"] for t in timings if t["config"] == candidates[0]), None)
+    if best is not None and heuristic_ms is not None and best["ms"] > heuristic_ms * (1 - _MARGIN):
+        best = timings[0]  # within timing noise of the heuristic, which was chosen by hand on a sweep: keep it
+    if best is None:
+        _logging.log("kernels", "autotune %s: every candidate failed (%s); using the heuristic %s",
+                     key, "; ".join(f["error"] for f in failed), candidates[0])
+    else:
+        _logging.log("kernels", "autotune %s: timed %d candidates in %.2f s; chose %s, %.4f ms (heuristic %s, %s)%s",
+                     key, len(timings), elapsed, best["config"], best["ms"], candidates[0],
+                     "failed" if heuristic_ms is None else f"{heuristic_ms:.4f} ms",
+                     "".join(f"; {f['config']} failed: {f['error']}" for f in failed))
+    return {"config": None if best is None else best["config"], "ms": None if best is None else best["ms"],
+            "timings": timings, "failed": failed, "tuned_at": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
+def _valid_config(entry: Any, candidates: list[Config]) -> Config | None:
+    """The entry's configuration if it is one of today's candidates (a stale or damaged entry is re-tuned)."""
+    if not isinstance(entry, dict):
+        return None
+    config = entry.get("config")
+    return next((c for c in candidates if c == config), None)
+
+
+# -- timing ---------------------------------------------------------------------------------------------------------
+def _do_bench(run: Callable[[], Any], config: Config, device: torch.device) -> float:
+    from triton.testing import do_bench
+
+    return float(do_bench(run, warmup=_WARMUP_MS, rep=_REP_MS, return_mode="median"))
+
+
+def _interpreted() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")  # Triton before knobs (< 3.4)
+
+
+@functools.lru_cache(maxsize=None)
+def _device_has_events(device_type: str) -> bool:
+    try:
+        return get_backend(device_type).event(enable_timing=True) is not None
+    except Exception:  # noqa: BLE001 - a backend that cannot make an event cannot time
+        return False
+
+
+def _can_time(device: torch.device) -> bool:
+    return not _interpreted() and _device_has_events(device.type)
+
+
+def _capturing(device: torch.device) -> bool:
+    """Inside torch.compile tracing or a graph capture on the device's current stream."""
+    if torch.compiler.is_compiling():
+        return True
+    try:
+        capturing = getattr(torch.get_device_module(device), "is_current_stream_capturing", None)
+        return bool(capturing()) if capturing is not None else False
+    except Exception:  # noqa: BLE001 - a device module without the query is not capturing
+        return False
+
+
+# -- the cache files -----------------------------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _describe(device_type: str, index: int) -> tuple[str, str]:
+    """(device model name, capability): the part of the key that says which hardware the timings hold for."""
+    backend = get_backend(device_type)
+    try:
+        name = backend.device_name(index)
+    except Exception:  # noqa: BLE001
+        name = device_type
+    try:
+        capability = str(backend.properties(index).get("capability") or "")
+    except Exception:  # noqa: BLE001
+        capability = ""
+    return name, capability
+
+
+def cache_path(device: torch.device) -> str:
+    """The cache file for ``device``: one per device model and capability, Triton version and torchport version.
+
+    Example:
+        >>> cache_path(torch.device("cuda"))   # doctest: +SKIP
+        '/home/me/.cache/torchport/autotune/NVIDIA-H100-80GB-HBM3-9.0-triton-3.6.0-torchport-0.1.0.json'
+    """
+    name, capability = _describe(device.type, device.index or 0)
+    stem = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name} {capability} triton {triton.__version__} torchport {__version__}")
+    return os.path.join(_directory(), stem.strip("-") + ".json")
+
+
+def _directory() -> str:
+    return os.path.join(_settings.cache_dir(), "autotune")
+
+
+def _warn_once(cause: tuple[str, str], message: str) -> None:
+    if cause in _warned:
+        return
+    _warned.add(cause)
+    logger.warning(message)
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
+def _load(path: str) -> dict[str, Any] | None:
+    """The whole file, None when it is absent; a file that cannot be read or parsed is warned about once."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    except (OSError, ValueError) as exc:
+        _warn_once((path, "read"), f"torchport autotune cache {path} cannot be read ({type(exc).__name__}: {exc}); "
+                                   "ignoring it (delete it, or call torchport.kernels.triton.autotune.clear_cache())")
+        return None
+    if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
+        _warn_once((path, "format"), f"torchport autotune cache {path} is not a format-{FORMAT} cache file; ignoring "
+                                     "it (delete it, or call torchport.kernels.triton.autotune.clear_cache())")
+        return None
+    return data
+
+
+def _read(path: str) -> dict[str, Any]:
+    data = _load(path)
+    return {} if data is None else data["entries"]
+
+
+def _write(path: str, key: str, entry: dict[str, Any], device: torch.device) -> None:
+    """Add one entry to the file: merge with what is there now, write a temporary file, rename it over."""
+    name, capability = _describe(device.type, device.index or 0)
+    data = {"format": FORMAT, "device": name, "capability": capability, "triton": triton.__version__,
+            "torchport": __version__, "entries": {**_read(path), key: entry}}
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, exist_ok=True)
+        fd, temporary = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=directory)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(temporary, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temporary)
+            raise
+    except OSError as exc:
+        _warn_once((directory, "write"), f"torchport autotune cache cannot be written in {directory} "
+                                         f"({type(exc).__name__}: {exc}); tuning results are kept for this process only")
+
+
+@contextlib.contextmanager
+def _file_lock(path: str) -> Iterator[None]:
+    """Exclusive across processes while a bucket is looked up, tuned and written (no-op without ``fcntl``)."""
+    try:
+        import fcntl
+    except ImportError:  # Windows: no lock; files are still replaced atomically
+        yield
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        handle = open(path + ".lock", "a")  # noqa: SIM115 - closed below
+    except OSError as exc:
+        _warn_once((os.path.dirname(path), "write"), f"torchport autotune cache cannot be written in "
+                   f"{os.path.dirname(path)} ({type(exc).__name__}: {exc}); tuning results are kept for this "
+                   "process only")
+        yield
+        return
+    with handle:
+        deadline = time.monotonic() + _LOCK_WAIT_S
+        locked = False
+        while not locked:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = True
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    _warn_once((path, "lock"), f"torchport autotune cache {path} stayed locked by another process "
+                                               f"for {_LOCK_WAIT_S:.0f} s; tuning without the lock")
+                    break
+                time.sleep(0.01)
+        try:
+            yield
+        finally:
+            if locked:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# -- public helpers ------------------------------------------------------------------------------------------------
+def coarse(count: int, low: int, high: int) -> int:
+    """``count`` rounded up to ``low`` times a power of 4, clamped to ``[low, high]``: a shape-bucket value.
+
+    Example:
+        >>> coarse(8192, 256, 65536), coarse(3, 256, 65536), coarse(10**6, 256, 65536)
+        (16384, 256, 65536)
+    """
+    if count <= low:
+        return low
+    steps = ((count - 1) // low).bit_length()
+    return min(high, low << (steps + (steps & 1)))
+
+
+def distinct(configs: Sequence[Config]) -> list[Config]:
+    """``configs`` without repeats, in order (neighbours of a heuristic coincide at the edges of their range)."""
+    out: list[Config] = []
+    for config in configs:
+        if config not in out:
+            out.append(config)
+    return out
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def enabled() -> bool:
+    """Whether kernels tune their launch configurations (True unless :func:`set_enabled` turned it off)."""
+    return _enabled
+
+
+def set_enabled(flag: bool) -> bool:
+    """Turn tuning on or off for this process; off, every kernel launches with its heuristic configuration and the
+    cache is neither read nor written. Forgets the configurations chosen so far. Returns the previous value.
+
+    Example:
+        >>> previous = set_enabled(False)   # e.g. to time the heuristics against tuned configurations
+    """
+    global _enabled
+    with _lock:
+        previous, _enabled = _enabled, bool(flag)
+        _forget()
+    return previous
+
+
+def _forget() -> None:
+    for tunable in _tunables.values():
+        tunable._memo.clear()
+        tunable._chosen.clear()
+
+
+def clear_cache(*, files: bool = True) -> int:
+    """Forget this process's choices and, with ``files``, delete the cache files in ``cache_dir()/autotune``.
+
+    Returns the number of files deleted.
+
+    Example:
+        >>> clear_cache()   # the next launch of each bucket tunes again
+        2
+    """
+    removed = 0
+    with _lock:
+        _forget()
+        _warned.clear()
+        if files:
+            directory = _directory()
+            with contextlib.suppress(FileNotFoundError, NotADirectoryError):
+                for name in os.listdir(directory):
+                    if name.endswith(".json"):
+                        with contextlib.suppress(FileNotFoundError):
+                            os.unlink(os.path.join(directory, name))
+                            removed += 1
+    return removed
+
+
+def entries() -> list[dict[str, Any]]:
+    """Every entry of every cache file in ``cache_dir()/autotune``: key, chosen config, timings, failures, and the
+    device, Triton and torchport versions of its file.
+
+    Example:
+        >>> for e in entries():
+        ...     print(e["key"], e["config"], e["ms"])
+        rms_norm.forward bfloat16 block_n=4096,rows=16384 {'BLOCK_M': 1, 'num_warps': 8} 0.0121
+    """
+    out = []
+    directory = _directory()
+    try:
+        names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))
+    except (FileNotFoundError, NotADirectoryError):
+        return out
+    for name in names:
+        path = os.path.join(directory, name)
+        data = _load(path)
+        if data is None:
+            continue
+        header = {k: data.get(k) for k in ("device", "capability", "triton", "torchport")}
+        for key, entry in sorted(data["entries"].items()):
+            if isinstance(entry, Mapping):
+                out.append({"file": path, **header, "key": key, **entry})
+    return out
+
+
+def list_tunables() -> list[str]:
+    """Names of the kernels that tune (those whose module has been imported)."""
+    return sorted(_tunables)

@@ -1,0 +1,478 @@
+"""The Triton launch-configuration tuner: choice, persistent cache, other processes, failures, and the numerics of
+every candidate configuration of every tuned kernel.
+
+Timing is replaced by fake timers (``autotune.timer``), so the choice is known in advance and the tests never time
+anything; candidates still launch for real (on CUDA, or on the CPU under Triton's interpreter).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import warnings
+
+import pytest
+import torch
+
+from torchport.backends import get_backend
+from torchport.kernels.glu import geglu_reference, swiglu_reference
+from torchport.kernels.layer_norm import layer_norm_reference
+from torchport.kernels.rms_norm import rms_norm_reference
+from torchport.kernels.rope import rope_reference
+from torchport.kernels.triton import autotune, glu, next_power_of_2, norm, rope
+
+from kernel_cases import call, check_close, gradients, leaf
+
+CPU = torch.device("cpu")
+_names = itertools.count()
+
+
+@pytest.fixture(autouse=True)
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh cache directory, no fake timer, tuning on, and no choice remembered from another test."""
+    directory = tmp_path / "cache"
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(directory))
+    monkeypatch.setattr(autotune, "timer", None)
+    previous = autotune.set_enabled(True)
+    autotune.clear_cache(files=False)
+    yield directory
+    autotune.set_enabled(previous)
+    autotune.clear_cache(files=False)
+
+
+@pytest.fixture
+def triton_device() -> torch.device:
+    """Where the real kernels run here: CUDA, else the CPU under Triton's interpreter."""
+    if get_backend("cuda").is_available():
+        return torch.device("cuda")
+    if autotune._interpreted():
+        return CPU
+    pytest.skip("Triton kernels need CUDA or TRITON_INTERPRET=1")
+
+
+def _tunable(configs, name=None):
+    """A kernel whose bucket is its size rounded up to a power of two."""
+    return autotune.Tunable(name or f"test.kernel{next(_names)}", ("n",), lambda n: (next_power_of_2(n),),
+                            lambda n: [dict(c) for c in configs])
+
+
+def _timer(times, calls=None):
+    """A fake timer: milliseconds by the config's ``x``; records what it timed."""
+    def time_one(run, config, device):
+        if calls is not None:
+            calls.append(dict(config))
+        run()
+        return times[config["x"]]
+    return time_one
+
+
+CONFIGS = [{"x": 0}, {"x": 1}, {"x": 2}]  # the first is the heuristic
+
+
+def test_coarse_buckets():
+    assert [autotune.coarse(m, 256, 65536) for m in (0, 1, 256, 257, 1024, 1025, 8192, 65536, 10**7)] == [
+        256, 256, 256, 1024, 1024, 4096, 16384, 65536, 65536]
+
+
+def test_fastest_candidate_is_chosen_and_written(cache_dir, monkeypatch):
+    calls, launched = [], []
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}, calls))
+    tunable = _tunable(CONFIGS)
+    assert tunable.lookup(CPU, torch.float32, 60) is None
+    chosen = tunable.tune(CPU, torch.float32, (60,), launched.append)
+    assert chosen == {"x": 1}
+    assert calls == CONFIGS and launched == [c for c in CONFIGS for _ in (1, 2)]  # a launch, then the timer's run
+    assert tunable.lookup(CPU, torch.float32, 60) is chosen  # the hot path: the same dict, no second tuning
+    assert tunable.lookup(CPU, torch.float32, 50) is None  # the exact-size memo has not seen 50 yet...
+    assert tunable.tune(CPU, torch.float32, (50,), launched.append) is chosen  # ...but its bucket, 64, is tuned
+    assert calls == CONFIGS and tunable.lookup(CPU, torch.float32, 50) is chosen
+    path = autotune.cache_path(CPU)
+    assert os.path.dirname(path) == str(cache_dir / "autotune")
+    data = json.loads(open(path).read())
+    assert data["format"] == autotune.FORMAT and data["torchport"] and data["triton"]
+    entry = data["entries"][f"{tunable.name} float32 n=64"]
+    assert entry["config"] == {"x": 1} and entry["ms"] == 1.0
+    assert [t["ms"] for t in entry["timings"]] == [3.0, 1.0, 2.0] and entry["failed"] == []
+    [shown] = autotune.entries()
+    assert shown["key"] == f"{tunable.name} float32 n=64" and shown["config"] == {"x": 1} and shown["file"] == path
+    # another bucket, another dtype: tuned apart
+    assert tunable.tune(CPU, torch.bfloat16, (64,), launched.append) == {"x": 1}
+    assert tunable.tune(CPU, torch.float32, (65,), launched.append) == {"x": 1}
+    assert [e["key"] for e in autotune.entries()] == [f"{tunable.name} bfloat16 n=64", f"{tunable.name} float32 n=128",
+                                                      f"{tunable.name} float32 n=64"]
+
+
+def test_heuristic_is_kept_within_timing_noise(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 1.0, 1: 0.99, 2: 1.2}))
+    assert _tunable(CONFIGS).tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 0}
+    [entry] = autotune.entries()
+    assert entry["config"] == {"x": 0} and entry["ms"] == 1.0 and len(entry["timings"]) == 3
+
+
+def test_failing_candidates_are_skipped_and_remembered(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+
+    def launch(config):
+        if config["x"] == 1:  # the fastest by the timer, but it does not run on this device
+            raise RuntimeError("out of resource: shared memory, Required: 262144, Hardware limit: 232448")
+
+    assert tunable.tune(CPU, torch.float32, (8,), launch) == {"x": 2}
+    [entry] = autotune.entries()
+    assert entry["failed"] == [{"config": {"x": 1}, "error": "RuntimeError: out of resource: shared memory, "
+                                                             "Required: 262144, Hardware limit: 232448"}]
+    assert [t["config"] for t in entry["timings"]] == [{"x": 0}, {"x": 2}]
+
+    def broken_timer(run, config, device):
+        return float("nan") if config["x"] == 2 else 5.0
+
+    monkeypatch.setattr(autotune, "timer", broken_timer)
+    assert tunable.tune(CPU, torch.float32, (16,), launch) == {"x": 0}
+
+
+def test_every_candidate_failing_gives_the_heuristic_and_writes_nothing(cache_dir, monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 1.0, 1: 1.0, 2: 1.0}))
+
+    def launch(config):
+        raise ValueError("no such kernel")
+
+    assert _tunable(CONFIGS).tune(CPU, torch.float32, (8,), launch) == {"x": 0}
+    assert autotune.entries() == []
+
+
+def test_out_of_memory_stops_tuning_without_writing(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 2.0, 1: 1.0, 2: 2.0}))
+
+    def launch(config):
+        if config["x"] == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+
+    assert _tunable(CONFIGS).tune(CPU, torch.float32, (8,), launch) == {"x": 0}
+    assert autotune.entries() == []
+
+
+def test_without_a_timer_or_events_the_heuristic_is_used_untimed(cache_dir):
+    """The CPU has no device events (and Triton runs there only interpreted): nothing is timed or written."""
+    launched = []
+    tunable = _tunable(CONFIGS)
+    assert tunable.tune(CPU, torch.float32, (8,), launched.append) == {"x": 0}
+    assert launched == [] and not cache_dir.exists()
+    assert tunable.lookup(CPU, torch.float32, 8) == {"x": 0}
+
+
+def test_interpreter_launches_real_kernels_with_the_heuristic(cache_dir, triton_device):
+    if triton_device.type != "cpu":
+        pytest.skip("Triton's interpreter runs on the CPU")
+    x = torch.randn(5, 40)
+    y = call("rms_norm", "triton", x, torch.ones(40), 1e-6, 0.0, False)
+    check_close("y", y, rms_norm_reference(x.double(), torch.ones(40, dtype=torch.float64), 1e-6), torch.float32)
+    tunable = norm._FORWARD[True, True]
+    assert tunable.lookup(CPU, torch.float32, 5, 40) == tunable.candidates(64, 256)[0]
+    assert not cache_dir.exists()
+
+
+def test_disabled_uses_the_heuristic_without_reading_the_cache(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+    assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}
+    assert autotune.set_enabled(False) is True
+    assert tunable.lookup(CPU, torch.float32, 8) is None  # choices are forgotten on a switch
+    assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 0}
+    autotune.set_enabled(True)
+    assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}  # from the file again
+
+
+def test_tracing_uses_the_heuristic_and_chooses_later(monkeypatch):
+    calls = []
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}, calls))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    tunable = _tunable(CONFIGS)
+    assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 0}
+    assert calls == [] and tunable.lookup(CPU, torch.float32, 8) is None
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}
+
+
+def test_stale_entry_is_tuned_again(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0, 7: 0.1}))
+    name = f"test.kernel{next(_names)}"
+    old = _tunable([{"x": 7}, {"x": 0}], name=name)
+    assert old.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 7}
+    autotune._tunables.pop(name)  # the same kernel with other candidates, as after an upgrade in place
+    new = _tunable(CONFIGS, name=name)
+    assert new.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}
+    assert [e["config"] for e in autotune.entries()] == [{"x": 1}]
+
+
+def test_duplicate_tunable_name_is_refused():
+    tunable = _tunable(CONFIGS)
+    with pytest.raises(ValueError, match=f"{tunable.name}.*already exists"):
+        autotune.Tunable(tunable.name, ("n",), lambda n: (n,), lambda n: CONFIGS)
+    assert tunable.name in autotune.list_tunables() and "rms_norm.forward" in autotune.list_tunables()
+
+
+@pytest.mark.parametrize("damage", ["{not json", '{"format": 999, "entries": {}}', "[]"])
+def test_corrupt_cache_file_warns_once_and_is_ignored(damage, monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    path = autotune.cache_path(CPU)
+    os.makedirs(os.path.dirname(path))
+    with open(path, "w") as f:
+        f.write(damage)
+    tunable = _tunable(CONFIGS)
+    with pytest.warns(RuntimeWarning, match="autotune cache .* ignoring it"):
+        assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}
+    assert [e["config"] for e in autotune.entries()] == [{"x": 1}]  # rewritten whole
+    with open(path, "w") as f:
+        f.write(damage)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same cause is not reported twice
+        assert tunable.tune(CPU, torch.float32, (16,), lambda c: None) == {"x": 1}
+
+
+def test_unwritable_cache_dir_warns_and_keeps_the_choice_in_memory(tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("TORCHPORT_CACHE_DIR", str(blocker / "cache"))
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+    with pytest.warns(RuntimeWarning, match="cannot be written") as record:
+        assert tunable.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1}
+    assert len(record) == 1
+    assert tunable.lookup(CPU, torch.float32, 8) == {"x": 1}
+
+
+def test_write_merges_with_what_another_process_wrote(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+    tunable.tune(CPU, torch.float32, (8,), lambda c: None)
+    path = autotune.cache_path(CPU)
+    data = json.loads(open(path).read())
+    data["entries"]["other.kernel float32 n=1"] = {"config": {"x": 2}, "ms": 0.5}  # another process, meanwhile
+    with open(path, "w") as f:
+        json.dump(data, f)
+    tunable.tune(CPU, torch.float32, (16,), lambda c: None)
+    keys = {e["key"] for e in autotune.entries()}
+    assert keys == {f"{tunable.name} float32 n=8", f"{tunable.name} float32 n=16", "other.kernel float32 n=1"}
+
+
+def test_clear_cache_deletes_files_and_forgets(monkeypatch):
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+    tunable.tune(CPU, torch.float32, (8,), lambda c: None)
+    assert autotune.clear_cache() == 1
+    assert autotune.entries() == [] and tunable.lookup(CPU, torch.float32, 8) is None
+    assert autotune.clear_cache() == 0
+
+
+def test_tuning_is_logged(monkeypatch, caplog):
+    monkeypatch.setenv("TORCHPORT_LOG", "kernels")
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0}))
+    tunable = _tunable(CONFIGS)
+    with caplog.at_level("INFO", logger="torchport.kernels"):
+        tunable.tune(CPU, torch.float32, (8,), lambda c: None)
+        autotune.clear_cache(files=False)
+        tunable.tune(CPU, torch.float32, (8,), lambda c: None)
+    tuned, cached = [r.getMessage() for r in caplog.records if r.name == "torchport.kernels"]
+    assert f"autotune {tunable.name} float32 n=8: timed 3 candidates" in tuned
+    assert "chose {'x': 1}, 1.0000 ms (heuristic {'x': 0}, 3.0000 ms)" in tuned
+    assert cached.startswith(f"autotune {tunable.name} float32 n=8: {{'x': 1}} from ")
+
+
+_CONCURRENT = textwrap.dedent("""
+    import sys, time, torch
+    from torchport.kernels.triton import autotune
+    name, index = sys.argv[1], int(sys.argv[2])
+    def slow_timer(run, config, device):
+        time.sleep(0.05)  # long enough for the processes to overlap
+        return {0: 3.0, 1: 1.0, 2: 2.0}[config["x"]]
+    autotune.timer = slow_timer
+    tunable = autotune.Tunable(name, ("n",), lambda n: (n,), lambda n: [{"x": 0}, {"x": 1}, {"x": 2}])
+    assert tunable.tune(torch.device("cpu"), torch.float32, (index,), lambda c: None) == {"x": 1}
+""")
+
+
+def test_concurrent_processes_merge_their_entries():
+    name = f"test.concurrent{next(_names)}"
+    children = [subprocess.Popen([sys.executable, "-c", _CONCURRENT, name, str(i)], stderr=subprocess.PIPE, text=True)
+                for i in range(3)]
+    for child in children:
+        _, err = child.communicate(timeout=120)
+        assert child.returncode == 0, err
+    assert sorted(e["key"] for e in autotune.entries()) == [f"{name} float32 n={i}" for i in range(3)]
+
+
+_SECOND_PROCESS = textwrap.dedent("""
+    import json, sys, torch
+    import torchport
+    from torchport.kernels import registry
+    from torchport.kernels.triton import autotune, norm
+    timed = []
+    autotune.timer = lambda run, config, device: timed.append(config) or 1.0
+    device = torch.device(sys.argv[1])
+    x = torch.randn(50, 300, device=device)
+    with torchport.settings.override(kernels="triton"):
+        registry.implementation("rms_norm", "triton").fn(x, torch.ones(300, device=device), 1e-6, 0.0, False)
+    print(json.dumps({"timed": timed, "config": norm._FORWARD[True, True].lookup(x.device, x.dtype, 50, 300)}))
+""")
+
+
+def _prefer(target):
+    """A fake timer under which ``target`` is the fastest config (None: the last one timed)."""
+    count = itertools.count()
+
+    def time_one(run, config, device):
+        run()
+        return 0.5 if config == target else 10.0 - next(count) * (target is None)
+    return time_one
+
+
+def test_second_process_reads_the_cache_and_does_not_tune(triton_device, monkeypatch):
+    tunable = norm._FORWARD[True, True]
+    target = tunable.candidates(512, 256)[2]  # not the heuristic
+    monkeypatch.setattr(autotune, "timer", _prefer(target))
+    x = torch.randn(50, 300, device=triton_device)
+    y = call("rms_norm", "triton", x, torch.ones(300, device=triton_device), 1e-6, 0.0, False)
+    ref = rms_norm_reference(x.cpu().double(), torch.ones(300, dtype=torch.float64), 1e-6)
+    check_close("y", y, ref, torch.float32)
+    assert tunable.lookup(x.device, x.dtype, 50, 300) == target
+    [entry] = autotune.entries()
+    assert entry["key"] == "rms_norm.forward float32 block_n=512,rows=256"
+    assert entry["config"] == target and entry["shape_bucket"] == {"block_n": 512, "rows": 256}
+    child = subprocess.run([sys.executable, "-c", _SECOND_PROCESS, str(triton_device)], capture_output=True,
+                           text=True, timeout=300)
+    assert child.returncode == 0, child.stderr
+    seen = json.loads(child.stdout.strip().splitlines()[-1])
+    assert seen == {"timed": [], "config": target}
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu"])
+def test_in_place_backward_tunes_on_scratch_gradients(op, triton_device, monkeypatch):
+    """In place, dx is written over dy (rms_norm), the gradients over gate and up (swiglu): tuning first launches
+    every candidate, which must not touch the memory the final launch reads."""
+    monkeypatch.setattr(autotune, "timer", _prefer(None))
+    gen = torch.Generator().manual_seed(5)
+    a, b, dy = (torch.randn(6, 70, generator=gen, dtype=torch.float64) for _ in range(3))
+    if op == "rms_norm":
+        b = b[0]
+        fn, ref_fn = (lambda x, w: call("rms_norm", "triton", x, w, 1e-6, 0.0, True),
+                      lambda x, w: rms_norm_reference(x, w, 1e-6))
+    else:  # in place needs intermediates, as after a projection
+        fn, ref_fn = (lambda g, u: call("swiglu", "triton", g * 1, u * 1, True)), swiglu_reference
+    _, ref_grads = gradients(ref_fn, [leaf(a, CPU, a.dtype), leaf(b, CPU, b.dtype)], [dy])
+    inputs = [leaf(a, triton_device, torch.float32), leaf(b, triton_device, torch.float32)]
+    _, grads = gradients(fn, inputs, [dy.to(triton_device, torch.float32)])
+    for i, (got, want) in enumerate(zip(grads, ref_grads)):
+        check_close(f"grad {i}", got, want, torch.float32)
+    assert {e["config"] != e["timings"][0]["config"] for e in autotune.entries()} == {True}  # not the heuristic
+    assert len(autotune.entries()) == 2  # the forward and the backward were tuned
+
+
+# -- every candidate of every tuned kernel computes the reference's result ---------------------------------------
+def _each_candidate(monkeypatch, tunables, run):
+    """Call ``run()`` once per candidate index, each tunable offering only its index-th candidate (its last when it
+    has fewer), until every candidate of every bucket ``run`` meets has launched."""
+    originals = {t.name: t.candidates for t in tunables}
+    offered: dict[tuple[str, tuple[int, ...]], list[dict[str, int]]] = {}
+    launched: set[tuple[str, tuple[int, ...], str]] = set()
+    index = 0
+
+    def only_one(tunable):
+        def candidates(*bucket):
+            configs = originals[tunable.name](*bucket)
+            assert 1 <= len(configs) <= 6 and all(isinstance(v, int) for c in configs for v in c.values())
+            offered[tunable.name, bucket] = configs
+            chosen = configs[min(index, len(configs) - 1)]
+            launched.add((tunable.name, bucket, json.dumps(chosen, sort_keys=True)))
+            return [chosen]
+        return candidates
+
+    for tunable in tunables:
+        monkeypatch.setattr(tunable, "candidates", only_one(tunable))
+    while True:
+        autotune.clear_cache(files=False)
+        run()
+        index += 1
+        if index >= max(len(configs) for configs in offered.values()):
+            break
+    assert {name for name, _ in offered} == {t.name for t in tunables}
+    assert launched == {(name, bucket, json.dumps(c, sort_keys=True))
+                        for (name, bucket), configs in offered.items() for c in configs}
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["fused", "chunked"])
+def test_every_norm_candidate_matches_the_reference(chunked, triton_device, monkeypatch):
+    shape = (3, 5000) if chunked else (3, 5, 37)
+    if chunked:
+        monkeypatch.setattr(norm, "MAX_FUSED", 4096)  # 5000 columns take the chunked kernels: 1 to 3 chunks
+    gen = torch.Generator().manual_seed(4)
+    x, dy = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5 for _ in range(2))
+    w, b = (torch.randn(shape[-1], generator=gen, dtype=torch.float64) for _ in range(2))
+    ref_rms = gradients(lambda x, w: rms_norm_reference(x, w, 1e-6), [leaf(x, CPU, x.dtype), leaf(w, CPU, x.dtype)],
+                        [dy])
+    ref_ln = gradients(lambda x, w, b: layer_norm_reference(x, w, b, 1e-5),
+                       [leaf(t, CPU, x.dtype) for t in (x, w, b)], [dy])
+
+    def run():
+        for op, args, (ref, ref_grads) in (("rms_norm", (x, w), ref_rms), ("layer_norm", (x, w, b), ref_ln)):
+            inputs = [leaf(t, triton_device, torch.float32) for t in args]
+            extra = (1e-6, 0.0, False) if op == "rms_norm" else (1e-5,)
+            out, grads = gradients(lambda *t: call(op, "triton", *t, *extra), inputs, [dy])
+            check_close(f"{op} y", out, ref, torch.float32)
+            for i, (got, want) in enumerate(zip(grads, ref_grads)):
+                check_close(f"{op} grad {i}", got, want, torch.float32)
+
+    suffix = "_chunked" if chunked else ""
+    _each_candidate(monkeypatch, [norm._FORWARD[True, not chunked], norm._BACKWARD[True, not chunked],
+                                  norm._FORWARD[False, not chunked], norm._BACKWARD[False, not chunked]], run)
+    assert norm._FORWARD[True, not chunked].name == f"rms_norm.forward{suffix}"
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "halves"])
+def test_every_glu_candidate_matches_the_reference(layout, triton_device, monkeypatch):
+    gen = torch.Generator().manual_seed(6)
+    shape = (3, 5, 37) if layout == "contiguous" else (3, 4, 50)
+    gate, up, dout = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 for _ in range(3))
+    refs = {op: gradients(fn, [leaf(gate, CPU, gate.dtype), leaf(up, CPU, gate.dtype)], [dout])
+            for op, fn in (("swiglu", swiglu_reference), ("geglu", geglu_reference))}
+
+    def run():
+        for op, (ref, ref_grads) in refs.items():
+            if layout == "contiguous":
+                inputs = [leaf(gate, triton_device, torch.float32), leaf(up, triton_device, torch.float32)]
+                out, grads = gradients(lambda g, u: call(op, "triton", g, u, False), inputs, [dout])
+            else:  # strided rows: the two halves of one fused projection
+                fused = leaf(torch.cat([gate, up], dim=-1), triton_device, torch.float32)
+                out = call(op, "triton", *(fused * 1).chunk(2, dim=-1), False)
+                out.backward(dout.to(triton_device, torch.float32))
+                grads = fused.grad.chunk(2, dim=-1)
+            check_close(f"{op} out", out, ref, torch.float32)
+            for i, (got, want) in enumerate(zip(grads, ref_grads)):
+                check_close(f"{op} grad {i}", got, want, torch.float32)
+
+    _each_candidate(monkeypatch, list(glu._TUNED.values()), run)
+
+
+def test_every_rope_candidate_matches_the_reference(triton_device, monkeypatch):
+    gen = torch.Generator().manual_seed(7)
+    batch, hq, hk, seq, dim = 2, 3, 2, 7, 20
+    q = torch.randn(batch, seq, hq, dim, generator=gen, dtype=torch.float64).transpose(1, 2)  # a [b, s, h, d] view
+    k = torch.randn(batch, hk, seq, dim, generator=gen, dtype=torch.float64)
+    angles = torch.rand(batch, seq, dim // 2, generator=gen, dtype=torch.float64) * 6
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    dq, dk = torch.randn(q.shape, generator=gen, dtype=torch.float64), torch.randn(k.shape, generator=gen,
+                                                                                   dtype=torch.float64)
+    ref, ref_grads = gradients(lambda a, b: rope_reference(a, b, cos, sin),
+                               [leaf(q, CPU, q.dtype), leaf(k, CPU, k.dtype)], [dq, dk])
+    c, s = cos.to(triton_device, torch.float32), sin.to(triton_device, torch.float32)
+
+    def run():
+        inputs = [leaf(q, triton_device, torch.float32), leaf(k, triton_device, torch.float32)]
+        out, grads = gradients(lambda a, b: call("rope", "triton", a, b, c, s), inputs, [dq, dk])
+        for name, got, want in zip(("q", "k", "dq", "dk"), [*out, *grads], [*ref, *ref_grads]):
+            check_close(name, got, want, torch.float32)
+
+    _each_candidate(monkeypatch, list(rope._TUNED.values()), run)
