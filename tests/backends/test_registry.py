@@ -88,7 +88,8 @@ def test_preferred_conv_memory_format(monkeypatch: pytest.MonkeyPatch) -> None:
     assert get_backend("npu").preferred_conv_memory_format(0) == torch.contiguous_format
     assert get_backend("mps").preferred_conv_memory_format(0) == torch.contiguous_format
     onednn = torch.backends.mkldnn.is_available()
-    assert get_backend("cpu").preferred_conv_memory_format(0) == (torch.channels_last if onednn else torch.contiguous_format)
+    expected = torch.channels_last if onednn else torch.contiguous_format
+    assert get_backend("cpu").preferred_conv_memory_format(0) == expected
     with torch.backends.mkldnn.flags(enabled=False):
         assert get_backend("cpu").preferred_conv_memory_format(0) == torch.contiguous_format
     cuda = get_backend("cuda")
