@@ -1,0 +1,140 @@
+"""``F.cross_entropy`` on class indices (Hugging Face's causal-LM loss) -> ``torchport::cross_entropy``."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn.functional as F
+
+from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
+from . import note, register_pass
+
+__all__ = ["cross_entropy"]
+
+Node = torch.fx.Node
+
+_SIGNATURE = inspect.signature(F.cross_entropy)
+_REDUCTIONS = ("mean", "sum", "none")
+_RESHAPES = ("view", "reshape")
+
+
+def _value(node: Any) -> torch.Tensor | None:
+    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, Node) else None
+    return value if isinstance(value, torch.Tensor) else None
+
+
+def _arguments(node: Node) -> dict[str, Any] | None:
+    """``F.cross_entropy``'s arguments by name, defaults filled in; None when they do not bind."""
+    try:
+        bound = _SIGNATURE.bind(*node.args, **node.kwargs)
+    except TypeError:
+        return None
+    bound.apply_defaults()
+    return dict(bound.arguments)
+
+
+def _supported(args: dict[str, Any]) -> bool:
+    """What the kernel computes: no class weights, no legacy reduction flags, class-index targets."""
+    smoothing, ignore_index = args["label_smoothing"], args["ignore_index"]
+    return (args["weight"] is None and args["size_average"] is None and args["reduce"] is None
+            and args["reduction"] in _REDUCTIONS
+            and isinstance(ignore_index, int) and not isinstance(ignore_index, bool)
+            and isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and 0.0 <= smoothing <= 1.0)
+
+
+def _is_upcast(node: Any) -> bool:
+    """``x.float()`` / ``x.to(torch.float32)`` of a float16, bfloat16 or float32 ``x``."""
+    if not isinstance(node, Node) or node.op != "call_method" or not node.args:
+        return False
+    source = _value(node.args[0])
+    if source is None:
+        return False
+    if source.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        return False  # (a float64 -> float32 cast changes the result's dtype: it stays)
+    if node.target == "float":
+        return len(node.args) == 1 and not node.kwargs
+    given = [*node.args[1:], *node.kwargs.values()]
+    return node.target == "to" and given == [torch.float32] and set(node.kwargs) <= {"dtype"}
+
+
+def _without_upcast(graph: torch.fx.Graph, logits: Node) -> tuple[Node, list[Node]]:
+    """The logits to hand to the kernel: for ``x.float()`` or ``x.float().view(...)`` feeding only the loss, ``x``
+    (or ``x.view(...)``), so no float32 copy of the logits is made (the kernel computes in float32 inside). Also
+    returns the nodes that the rewrite leaves unused."""
+    if _is_upcast(logits) and len(logits.users) == 1:
+        return logits.args[0], [logits]
+    reshape = logits
+    if not (reshape.op == "call_method" and reshape.target in _RESHAPES and len(reshape.users) == 1
+            and not reshape.kwargs and all(_is_size(a) for a in reshape.args[1:])):
+        return logits, []
+    upcast = reshape.args[0]
+    if not (_is_upcast(upcast) and len(upcast.users) == 1):
+        return logits, []
+    # reshape, not view: the upcast made a dense copy that any view fits; the logits themselves may be strided
+    with graph.inserting_before(reshape):
+        direct = graph.call_method("reshape", (upcast.args[0], *reshape.args[1:]))
+    return direct, [reshape, upcast]
+
+
+def _is_size(arg: Any) -> bool:
+    """A size argument of ``view``/``reshape`` (an int, a symbolic size, or a list of them), not a dtype."""
+    if isinstance(arg, (list, tuple)):
+        return all(_is_size(a) for a in arg)
+    return isinstance(arg, (int, torch.SymInt, Node)) and not isinstance(arg, bool)
+
+
+@register_pass("cross_entropy", order=240, training=True)
+def cross_entropy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``F.cross_entropy(logits, target, ...)`` on ``[N, V]`` logits -> one ``torchport::cross_entropy``.
+
+    Rewrites what dynamo captures of Hugging Face's ``ForCausalLMLoss`` (``fixed_cross_entropy`` inlined)::
+
+        logits = logits.float().view(-1, vocab)        # the upcast, when it feeds only the loss, is dropped
+        loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")    # or "mean"
+        ->  loss = torch.ops.torchport.cross_entropy(logits.reshape(-1, vocab), labels, -100, 0.0, "sum")
+
+    The op computes in float32 and returns a float32 loss (cast to the original loss's dtype where that differs),
+    so dropping the upcast keeps the float32 result without a float32 copy of the logits. Any ``ignore_index``,
+    ``label_smoothing`` and reduction ``mean``/``sum``/``none`` are kept. Rewritten only for 2-D floating logits
+    with 1-D integer targets; class weights, probability targets, the legacy ``size_average``/``reduce`` flags and
+    ``[N, C, d...]`` inputs stay. One difference: a mean over targets that are all ``ignore_index`` is 0, where
+    PyTorch gives NaN.
+    """
+    graph = gm.graph
+    count = 0
+    for node in list(graph.nodes):
+        if node.op != "call_function" or node.target is not F.cross_entropy:
+            continue
+        args = _arguments(node)
+        if args is None or not _supported(args):
+            continue
+        logits, target = args["input"], args["target"]
+        lv, tv, out = _value(logits), _value(target), _value(node)
+        if lv is None or tv is None or out is None or lv.dim() != 2 or tv.dim() != 1:
+            continue
+        if not lv.is_floating_point() or tv.is_floating_point() or tv.is_complex() or tv.dtype == torch.bool:
+            continue
+        source, unused = _without_upcast(graph, logits)
+        with graph.inserting_before(node):
+            fused = graph.call_function(
+                torch.ops.torchport.cross_entropy.default,
+                (source, target, args["ignore_index"], float(args["label_smoothing"]), args["reduction"]),
+            )
+            result = fused
+            loss_dtype = torch.float64 if lv.dtype == torch.float64 else torch.float32  # what the op returns
+            if out.dtype != loss_dtype:
+                result = graph.call_method("to", (fused, out.dtype))
+        for new in {fused, result}:
+            new.meta.update({k: node.meta[k] for k in ("stack_trace",) if k in node.meta})
+        result.meta.update({k: node.meta[k] for k in ("val", "example_value") if k in node.meta})
+        node.replace_all_uses_with(result)
+        graph.erase_node(node)
+        for dead in unused:
+            graph.erase_node(dead)
+        count += 1
+    if count:
+        note(f"replaced {count} cross-entropy loss{'es' * (count > 1)} with torchport::cross_entropy")
+    return gm
