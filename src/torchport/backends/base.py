@@ -23,7 +23,7 @@ import torch
 
 from .. import _settings
 
-__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES", "op_support"]
+__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES", "op_support", "operator_overloads"]
 
 logger = logging.getLogger("torchport")
 
@@ -354,6 +354,43 @@ def op_support(op: str, has_kernel: Callable[[str], bool | None], host_fallback:
         if out is not None and has_kernel(out):
             return "native"
     return "host" if host_fallback and _dispatcher_has(op, "CPU") else "missing"
+
+
+_OPERATOR_FORM = "'namespace::name' (every overload) or 'namespace::name.overload', e.g. 'aten::add.Tensor'"
+
+
+def operator_overloads(entry: Any) -> list[str]:
+    """The overloads an operator name or ``torch.ops`` object stands for, as the dispatcher names them (the default
+    overload without a suffix): ``"aten::erfinv"`` and ``torch.ops.aten.erfinv`` give every overload,
+    ``"aten::erfinv.default"`` and ``torch.ops.aten.erfinv.default`` give ``["aten::erfinv"]``.
+
+    Raises:
+        ValueError: not an operator of this torch, or not written in one of those forms.
+
+    Example:
+        >>> operator_overloads("aten::add.Tensor")
+        ['aten::add.Tensor']
+    """
+    if isinstance(entry, torch._ops.OpOverload):
+        entry = f"{entry._schema.name}.{entry._overloadname}"
+    elif isinstance(entry, torch._ops.OpOverloadPacket):
+        entry = entry._qualified_op_name
+    if not isinstance(entry, str) or "::" not in entry:
+        raise ValueError(f"{entry!r} is not an operator: write {_OPERATOR_FORM}, or pass torch.ops.aten.add.Tensor")
+    namespace, _, rest = entry.partition("::")
+    name, dot, overload = rest.partition(".")
+    try:
+        overloads = getattr(getattr(torch.ops, namespace), name).overloads()
+    except (AttributeError, RuntimeError):
+        raise ValueError(f"{entry!r}: torch {torch.__version__} has no operator {namespace}::{name}; write "
+                         f"{_OPERATOR_FORM}") from None
+    known = set(torch._C._dispatch_get_all_op_names())  # without TorchScript's scalar overloads (aten::add.int)
+    names = {o: f"{namespace}::{name}" + ("" if o == "default" else f".{o}") for o in overloads}
+    names = {o: qualified for o, qualified in names.items() if qualified in known}
+    if dot and overload not in names:
+        raise ValueError(f"{entry!r}: {namespace}::{name} has no overload {overload!r} that the dispatcher runs; its "
+                         f"overloads: {', '.join(names)}")
+    return [names[overload]] if dot else list(names.values())
 
 
 def _out_variant(op: str) -> str | None:

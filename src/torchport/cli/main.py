@@ -21,6 +21,7 @@ from . import doctor, migrate, run
 from . import stack
 from . import bench, kernels, verify
 from . import export
+from . import coverage
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -40,6 +41,7 @@ COMMANDS: dict[str, Command] = {
     "bench": Command(bench.HELP, bench.add_arguments, bench.handle),
     "kernels": Command(kernels.HELP, kernels.add_arguments, kernels.handle),
     "export": Command(export.HELP, export.add_arguments, export.handle),
+    "coverage": Command(coverage.HELP, coverage.add_arguments, coverage.handle),
 }
 
 

@@ -25,10 +25,11 @@ import torch
 
 from .._settings import parse_device_spec
 from ..device import DeviceLike, resolve
+from .cpu_fallback import cpu_fallback
 from .redirect import Patcher, Target
 from .report import Recorder
 
-__all__ = ["patch", "unpatch", "is_patched", "target", "report"]
+__all__ = ["patch", "unpatch", "is_patched", "target", "report", "cpu_fallback"]
 
 _lock = threading.RLock()
 _state: dict[str, Any] = {}
@@ -94,10 +95,13 @@ def target() -> torch.device | None:
 
 
 def report() -> dict[str, Any]:
-    """What the active shim redirected (API, count, first call site) and the CUDA-only things it met."""
+    """What the active shim redirected (API, count, first call site), the CUDA-only things it met, and the operators
+    :func:`cpu_fallback` ran on the CPU."""
     chosen = _state.get("target")
     if chosen is None:
-        return {"target": None, "redirected": [], "cuda_only": []}
+        from .cpu_fallback import calls
+
+        return {"target": None, "redirected": [], "cuda_only": [], "cpu_fallback": calls()}
     return {"target": str(chosen.device()), **chosen.recorder.to_dict()}
 
 

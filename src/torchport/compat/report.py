@@ -8,13 +8,13 @@ import sys
 import threading
 from typing import Any
 
-__all__ = ["Recorder", "Finding"]
+__all__ = ["Recorder", "Finding", "call_site"]
 
 _OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/torchport
 _TORCH = None
 
 
-def _call_site() -> str:
+def call_site() -> str:
     """file:line of the first frame outside torchport and torch: the user's line that made the call."""
     global _TORCH
     if _TORCH is None:
@@ -51,7 +51,7 @@ class Recorder:
     def record(self, api: str) -> None:
         count = self.counts.get(api)
         if count is None:
-            site = _call_site()  # walked once per API: cheap enough for calls in a training loop
+            site = call_site()  # walked once per API: cheap enough for calls in a training loop
             with self._lock:
                 self.sites.setdefault(api, site)
                 self.counts[api] = self.counts.get(api, 0) + 1
@@ -59,16 +59,19 @@ class Recorder:
             self.counts[api] = count + 1
 
     def find(self, name: str, hint: str) -> None:
-        site = _call_site()
+        site = call_site()
         with self._lock:
             if not any(f.name == name and f.site == site for f in self.findings):
                 self.findings.append(Finding(name, site, hint))
 
     def to_dict(self) -> dict[str, Any]:
+        from .cpu_fallback import calls
+
         return {
             "redirected": [{"api": api, "count": n, "first_site": self.sites.get(api, "?")}
                            for api, n in sorted(self.counts.items(), key=lambda item: -item[1])],
             "cuda_only": [dataclasses.asdict(f) for f in self.findings],
+            "cpu_fallback": calls(),  # operators torchport.compat.cpu_fallback ran on the CPU
         }
 
     def print(self, target: str, file: Any = None) -> None:
@@ -91,3 +94,10 @@ class Recorder:
             for row in data["cuda_only"]:
                 found.add_row(row["name"], row["site"], row["hint"])
             console.print(found)
+        if data["cpu_fallback"]:
+            fallback = Table(title="operators run on the CPU (torchport.compat.cpu_fallback)")
+            for column in ("operator", "device", "calls", "first call site"):
+                fallback.add_column(column, overflow="fold")
+            for row in data["cpu_fallback"]:
+                fallback.add_row(row["op"], row["device"], str(row["calls"]), row["first_site"])
+            console.print(fallback)

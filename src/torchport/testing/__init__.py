@@ -11,9 +11,13 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterable, Iterator
+from typing import Any
+
 from .simulated_npu import SimulatedTensor, is_active
 
-__all__ = ["simulate_npu", "is_simulating", "SimulatedTensor"]
+__all__ = ["simulate_npu", "is_simulating", "unsupported_ops", "SimulatedTensor"]
 
 
 def simulate_npu(device_count: int = 1, total_memory: int = 64 * 1024**3) -> None:
@@ -31,3 +35,39 @@ def simulate_npu(device_count: int = 1, total_memory: int = 64 * 1024**3) -> Non
 def is_simulating() -> bool:
     """Whether the simulated NPU is active in this process."""
     return is_active()
+
+
+@contextlib.contextmanager
+def unsupported_ops(ops: Iterable[Any], *, torch_npu_fallback: bool = False) -> Iterator[None]:
+    """Simulate an NPU software stack without kernels for ``ops``, inside a ``with`` block.
+
+    Running one of them on an ``npu`` tensor then raises what PyTorch's dispatcher raises for a device without a
+    kernel: ``NotImplementedError: Could not run 'aten::erfinv' with arguments from the 'PrivateUse1' backend...``.
+    With ``torch_npu_fallback=True`` it warns and runs on the host instead, as torch_npu (2.1 and later) does for
+    operators it lacks. ``get_backend("npu").op_support(op)`` answers accordingly ("missing" or "host"), and a
+    kernel registered for the operator on PrivateUse1 (as :func:`torchport.compat.cpu_fallback` registers) runs in
+    its place, as on a real device. Blocks nest; the innermost ``torch_npu_fallback`` applies.
+
+    Args:
+        ops: operator names, ``"aten::erfinv"`` for every overload or ``"aten::add.Tensor"`` for one
+            (``"aten::erfinv.default"`` for the default one), or ``torch.ops`` objects. A functional or in-place
+            overload of a structured operator calls its out= overload, so it stays runnable unless that one is
+            declared too (declare the operator without an overload to take all of them).
+        torch_npu_fallback: run them on the host with torch_npu's warning instead of failing.
+
+    Raises:
+        ValueError: a name that is not an operator of this torch, one the simulation itself needs (copies,
+            allocation, views), or one with no kernel of its own on any device (a composite of other operators).
+
+    Example:
+        >>> with torchport.testing.unsupported_ops({"aten::erfinv"}):
+        ...     torch.ones(2, device="npu").erfinv()
+        NotImplementedError: Could not run 'aten::erfinv' with arguments from the 'PrivateUse1' backend...
+    """
+    from . import simulated_npu
+
+    token = simulated_npu.declare_unsupported(ops, torch_npu_fallback)
+    try:
+        yield
+    finally:
+        simulated_npu.withdraw(token)

@@ -15,10 +15,18 @@ What it keeps faithful, because code under test depends on it:
 - each device has its own random generator, seeded by ``torch.manual_seed`` and ``torch.npu.manual_seed``;
 - ``torch.autocast("npu")`` casts like CUDA's autocast (matmul-like ops to the low dtype; reductions, norms and
   losses to float32; mixed-dtype ops to the widest).
+- operators can be declared missing (:func:`torchport.testing.unsupported_ops`): running one then fails as
+  PyTorch's dispatcher fails for a device without a kernel ("Could not run 'aten::erfinv' with arguments from the
+  'PrivateUse1' backend..."), or, with ``torch_npu_fallback=True``, runs on the host after torch_npu's warning, as
+  torch_npu's own CPU fallback does; the npu backend's ``has_kernel`` and ``op_support`` agree with that, and a
+  kernel registered for the operator on PrivateUse1 (:func:`torchport.compat.cpu_fallback`) runs instead, as the
+  real dispatcher would run it.
 
 Limits, all from PyTorch's Python backend mechanism: backward runs on ``npu:0`` only (the autograd engine sizes its
-device queues from a C++ device guard that reports one device), and ``torch.Generator("npu")`` cannot be made
-(PrivateUse1 generators need a C++ hook), so :func:`torchport.generator` hands out a host generator for it.
+device queues from a C++ device guard that reports one device), ``torch.Generator("npu")`` cannot be made
+(PrivateUse1 generators need a C++ hook), so :func:`torchport.generator` hands out a host generator for it, and
+under a ``TorchDispatchMode`` ``torch.tensor(data, device="npu")`` fails an internal assertion of PyTorch's
+trampoline for Python-registered kernels (seen with torch 2.13; ``.to("npu")`` works).
 """
 
 from __future__ import annotations
@@ -26,13 +34,15 @@ from __future__ import annotations
 import dataclasses
 import sys
 import threading
+import warnings
 import weakref
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_map
 
-__all__ = ["SimulatedTensor", "activate", "is_active", "state"]
+__all__ = ["SimulatedTensor", "activate", "declare_unsupported", "is_active", "state"]
 
 _NPU = "npu"
 GiB = 1024**3
@@ -68,6 +78,18 @@ class _State:
         self.storages: dict[tuple[int, int], list[int]] = {}  # (device, data_ptr) -> [wrapper count, bytes]
         self.lock = threading.RLock()
         self.local = threading.local()
+        # operators declared missing: one (overloads, torch_npu_fallback) entry per active declaration
+        self.declarations: list[tuple[frozenset[str], bool]] = []
+        self.missing: frozenset[str] = frozenset()  # "aten::add.Tensor", "aten::erfinv" (the default overload)
+        self.host_fallback = False
+        self.support: dict[str, str | None] = {}  # operator -> op_support answer, for the declarations in force
+        self.fallback_warned: set[str] = set()
+
+    def redeclare(self) -> None:
+        with self.lock:
+            self.missing = frozenset().union(*(d[0] for d in self.declarations))
+            self.host_fallback = self.declarations[-1][1] if self.declarations else False
+            self.support.clear()
 
     # -- current device (per thread, as on CUDA and torch_npu) --------------------------------------------------
     @property
@@ -243,9 +265,20 @@ def _restore_storage(storage: Any, location: str) -> Any:
     return storage
 
 
-def _run_on_host(func, args: tuple, kwargs: dict) -> Any:  # noqa: ANN001
+def _run_on_host(func, args: tuple, kwargs: dict, dispatched: bool = False) -> Any:  # noqa: ANN001
     st = state()
+    if not dispatched:  # reached through __torch_dispatch__, above the PrivateUse1 key: act as the dispatcher would
+        qualified = func.name()
+        fallback = sys.modules.get("torchport.compat.cpu_fallback")
+        if fallback is not None and qualified in fallback.registered(_NPU):
+            return func.redispatch(_PRIVATEUSE1, *fallback.numbers_as_tensors(func, args), **kwargs)
+        if qualified in st.missing:
+            _unsupported(st, qualified)
     name = func.__name__.split(".")[0]
+    if name == "to" and not dispatched:
+        # aten::to reaches __torch_dispatch__ only where autograd is off (inference mode, inside kernels). Run as one
+        # host call it would return its input, the wrapper, for .to("cpu"); its own decomposition copies (_to_copy).
+        return func.decompose(*args, **kwargs)
     sim_devices: list[torch.device] = []
     host_device: torch.device | None = None
     originals: dict[int, torch.Tensor] = {}
@@ -327,7 +360,110 @@ def _takes_generator(func) -> bool:  # noqa: ANN001
 
 def _factory_fallback(op, *args, **kwargs):  # noqa: ANN001
     """PrivateUse1 kernel for ops whose inputs hold no simulated tensor (factories: empty, zeros, arange...)."""
-    return _run_on_host(op, args, kwargs)
+    st = state()
+    qualified = op.name()
+    if qualified in st.missing:
+        _unsupported(st, qualified)
+    return _run_on_host(op, args, kwargs, dispatched=True)
+
+
+# The kernels torchport.compat.cpu_fallback registers on PrivateUse1 run in place of the simulation's own, as they
+# would in place of torch_npu's. Asking the dispatcher itself would cost 14 us per operator (more than CPU's add);
+# the fallback's registry answers in a dictionary lookup.
+_PRIVATEUSE1 = torch._C.DispatchKeySet(torch._C.DispatchKey.PrivateUse1)
+# Operators the simulation needs to move tensors and allocate: declaring them missing would stop it working.
+_PRIMITIVES = frozenset({
+    "aten::empty", "aten::empty_strided", "aten::_to_copy", "aten::copy_", "aten::_copy_from",
+    "aten::_copy_from_and_resize", "aten::resize_", "aten::set_", "aten::lift_fresh",
+})
+
+
+def _has_privateuse1_kernel(op: str) -> bool:
+    # torchport's kernels pick their implementation per device themselves; a kernel of theirs registered for the
+    # npu is their npu implementation, which the simulation runs as it runs every other one: on the host
+    return not op.startswith("torchport::") and _dispatcher_has(op, "PrivateUse1")
+
+
+def _dispatcher_has(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    except RuntimeError:  # an operator the dispatcher knows by another name (aten::sym_size is aten::sym_size.int)
+        return False
+
+
+def _returns_view(op: str) -> bool:
+    namespace, _, rest = op.partition("::")
+    name, _, overload = rest.partition(".")
+    schema = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")._schema
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
+
+
+def _unsupported(st: _State, qualified: str) -> None:
+    """Fail as the dispatcher does for a device without a kernel, or warn as torch_npu's CPU fallback does."""
+    support = st.support.get(qualified, "unknown")
+    if support == "unknown":
+        from ..backends import get_backend
+
+        support = st.support[qualified] = get_backend(_NPU).op_support(qualified)
+    if support == "native":  # e.g. aten::erfinv when only its default overload was declared: it calls erfinv.out
+        return
+    if support == "host":
+        if qualified not in st.fallback_warned:
+            st.fallback_warned.add(qualified)
+            warnings.warn(f"CAUTION: The operator '{qualified}' is not currently supported on the NPU backend and "
+                          "will fall back to run on the CPU. This may have performance implications.", stacklevel=3)
+        return
+    backends = [key for key in ("CPU", "CUDA", "Meta") if _dispatcher_has(qualified, key)]
+    raise NotImplementedError(
+        f"Could not run '{qualified}' with arguments from the 'PrivateUse1' backend. This could be because the "
+        "operator doesn't exist for this backend, or was omitted during the selective/custom build process (if "
+        "using custom build). If you are a Facebook employee using PyTorch on mobile, please visit "
+        f"https://fburl.com/ptmfixes for possible resolutions. '{qualified}' is only available for these backends: "
+        f"[{', '.join(backends)}]. (simulated by torchport.testing.unsupported_ops)"
+    )
+
+
+def declare_unsupported(ops: Iterable[Any], torch_npu_fallback: bool = False) -> tuple[Any, ...]:
+    """Declare operators missing on the simulated NPU; returns the token :func:`withdraw` takes.
+
+    Raises:
+        ValueError: an entry is not an operator of this torch, or one no device can lack (see
+            :func:`torchport.testing.unsupported_ops`).
+    """
+    from ..backends.base import operator_overloads
+
+    st = state()
+    overloads: set[str] = set()
+    for entry in ([ops] if isinstance(ops, str) else ops):
+        try:
+            names = operator_overloads(entry)
+        except ValueError as exc:
+            raise ValueError(f"unsupported operator {exc}") from None
+        if any(name.partition(".")[0] in _PRIMITIVES for name in names):
+            raise ValueError(f"unsupported operator {entry!r}: the simulated NPU allocates and moves tensors with "
+                             "it; it cannot be declared missing")
+        if any(_returns_view(name) for name in names):
+            raise ValueError(f"unsupported operator {entry!r} returns a view of its input: every device has its "
+                             "views (they only change sizes and strides), and no CPU fallback could alias device "
+                             "memory")
+        if not any(_dispatcher_has(name, "CPU") for name in names):
+            raise ValueError(f"unsupported operator {entry!r}: no device has a kernel of its own for it (PyTorch "
+                             "builds it from other operators, so a device cannot lack it); declare the operators it "
+                             "runs, which torchport coverage lists")
+        overloads.update(names)
+    token = (frozenset(overloads), bool(torch_npu_fallback))
+    with st.lock:
+        st.declarations.append(token)
+        st.redeclare()
+    return token
+
+
+def withdraw(token: tuple[Any, ...]) -> None:
+    """Undo one :func:`declare_unsupported`."""
+    st = state()
+    with st.lock:
+        st.declarations.remove(token)
+        st.redeclare()
 
 
 def _host(x: torch.Tensor) -> torch.Tensor:
@@ -417,3 +553,14 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
                 from . import npu_fused_ops
 
                 return npu_fused_ops.lookup(name)
+
+            def has_kernel(self, op: str) -> bool | None:
+                # every operator with a host kernel runs, except those declared missing (torchport.testing.
+                # unsupported_ops); kernels registered on PrivateUse1 count, as they do for a real device
+                if _has_privateuse1_kernel(op):
+                    return True
+                return op not in state().missing and _dispatcher_has(op, "CPU")
+
+            @property
+            def host_fallback(self) -> bool:  # type: ignore[override]
+                return state().host_fallback

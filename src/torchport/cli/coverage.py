@@ -1,0 +1,64 @@
+"""``torchport coverage``: :func:`torchport.compile.coverage` on a factory's model, as a table or JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from .verify import DTYPES, cast, load_factory, read_input, usage_error
+
+__all__ = ["HELP", "add_arguments", "handle"]
+
+HELP = "list the aten operators a model runs, forward and backward, and whether a device has each; exit 1 if any is missing"
+
+_DESCRIPTION = """\
+Build the model of TARGET, run it forward and backward (the loss is the sum of its floating-point outputs) where the
+factory put it, and mark every aten operator it ran for --device: native, torchport kernel, cpu fallback (run on the
+CPU by torchport.compat.cpu_fallback or by the device's own library) or missing. The device need not be present:
+where its library is not installed, torchport's shipped operator list for it answers (for Ascend NPUs, torch_npu's).
+
+Exits 0 when no operator is missing, 1 when some is, 2 on a usage error.
+
+TARGET is package.module:function or path/to/file.py:function; the function returns (model, inputs), as for
+torchport verify. --input SHAPE|FILE replaces the inputs (see torchport verify --help).
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = _DESCRIPTION
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+    parser.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory")
+    parser.add_argument("--device", metavar="D", required=True, help="the device type to check, e.g. 'npu' or 'cuda'")
+    parser.add_argument("--input", metavar="SHAPE|FILE", help="inputs to use instead of the factory's")
+    parser.add_argument("--dtype", choices=DTYPES, help="cast the model and its floating-point inputs to this dtype "
+                                                        "first (default: as the factory made them)")
+    parser.add_argument("--no-backward", dest="backward", action="store_false",
+                        help="record the forward only (inference)")
+    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout, nothing else")
+
+
+def handle(args: argparse.Namespace) -> int:
+    """Load the target, record, print; 0 when nothing is missing, 1 when something is or the model fails to run."""
+    from ..compile.coverage import coverage
+    from ..verify import TargetError, unpack
+
+    factory = load_factory(args.target)
+    override = read_input(args.input) if args.input is not None else None
+    try:
+        model, inputs = unpack(factory(), f"TARGET {args.target}")
+    except TargetError as exc:
+        raise usage_error(str(exc)) from exc
+    model, inputs = cast(model, override if override is not None else inputs, args.dtype)
+    try:
+        report = coverage(model, inputs, args.device, backward=args.backward)
+    except ValueError as exc:  # not a device type, or no way to tell what it runs
+        raise usage_error(str(exc)) from exc
+    except NotImplementedError as exc:  # an operator neither the device nor the CPU has, met running on the device
+        print(f"{args.command_prog}: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=2))
+    else:
+        report.print()
+    return 1 if report.missing else 0
