@@ -128,8 +128,9 @@ class _UsesKernel(torch.nn.Module):
         return torch.ops.torchport._coverage_test_scale(x) + 1
 
 
-def test_a_torchport_kernel_is_one_row_without_what_it_runs_inside() -> None:
-    report = coverage(_UsesKernel(), torch.zeros(2), "cpu", backward=False)
+@pytest.mark.parametrize("target", ["cpu", "npu"])
+def test_a_torchport_kernel_is_one_row_without_what_it_runs_inside(target: str) -> None:
+    report = coverage(_UsesKernel(), torch.zeros(2), target, backward=False)
     assert report.ops("torchport kernel") == ["torchport::_coverage_test_scale"]
     assert {row.op for row in report.rows} == {"torchport::_coverage_test_scale", "aten::add.Tensor"}
 

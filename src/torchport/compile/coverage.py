@@ -310,11 +310,12 @@ class _Recorder(TorchDispatchMode):
     def _descend(self, func: Any, name: str) -> bool:
         """Whether ``name`` runs as PyTorch's composite kernel on the recording device, another than the target, and
         the target has no kernel of its own for it either: then its parts are what the target runs. Views are left
-        alone: every device has them."""
+        alone (every device has them), and so are torchport's kernels (what they run is their own choice per
+        device)."""
         known = self.descends.get(name)
         if known is None:
             known = self.descends[name] = (
-                not self.on_device and self.keyset is not None
+                not self.on_device and self.keyset is not None and not name.startswith("torchport::")
                 and _dispatcher_has(name, "CompositeExplicitAutograd") and not _dispatcher_has(name, self.recording_key)
                 and self.target.has_kernel(name) is False
                 and not any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns))
