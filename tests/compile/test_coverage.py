@@ -12,8 +12,8 @@ from torchport.backends import get_backend
 from torchport.backends.base import op_support
 from torchport.backends.npu import NpuBackend
 from torchport.compat import cpu_fallback
-from torchport.compile import coverage as coverage_module
-from torchport.compile.coverage import STATUSES, coverage
+from torchport.compile import op_coverage as coverage_module
+from torchport.compile.op_coverage import STATUSES, coverage
 from torchport.testing import unsupported_ops
 
 transformers = pytest.importorskip("transformers")

@@ -55,6 +55,8 @@ def main(strategy: str, out: Path) -> None:
     dist.barrier()
     td.save_checkpoint(out / "ckpt", wrapped, optimizer)
     print(f"rank {rank} world {world} loss {loss:.6f}")
+    # free DDP's reducer while its process group still exists (freed after, it can wait forever on gloo)
+    del wrapped, model, optimizer
     dist.destroy_process_group()
 
 

@@ -40,7 +40,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def handle(args: argparse.Namespace) -> int:
     """Load the target, record, print; 0 when nothing is missing, 1 when something is or the model fails to run."""
-    from ..compile.coverage import coverage
+    from ..compile.op_coverage import coverage
     from ..verify import TargetError, unpack
 
     factory = load_factory(args.target)

@@ -18,7 +18,7 @@ __all__ = ["backend", "coverage", "explain", "passes"]
 _LAZY = {
     "backend": ("dynamo_backend", "torchport_backend"),
     "explain": ("dynamo_backend", "explain"),
-    "coverage": ("coverage", "coverage"),
+    "coverage": ("op_coverage", "coverage"),
     "passes": ("passes", None),
 }
 

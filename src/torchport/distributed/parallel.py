@@ -55,7 +55,8 @@ def wrap(model: nn.Module, strategy: str = "ddp", *, device: DeviceLike = None,
 
     Returns:
         The wrapped model (DDP: a ``DistributedDataParallel``; FSDP: the model itself, its class extended by
-        FSDP2).
+        FSDP2). Free a DDP model (``del``) before ``destroy_process_group()``: its reducer, freed after the group,
+        can wait forever at exit (seen with gloo, torch 2.13).
 
     Example:
         >>> torchport.distributed.init()
