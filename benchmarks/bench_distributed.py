@@ -55,7 +55,9 @@ def run(name: str, preset: str, steps: int, warmup: int, device: str | None, tim
                                                                            os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
         if done.returncode != 0 or not os.path.exists(out):
-            tail = (done.stdout + done.stderr)[-3000:]
+            text = done.stdout + done.stderr
+            first = text.find("Traceback")  # the failing rank's own traceback, before torchrun's summary
+            tail = text[first:first + 3000] if first >= 0 else text[-3000:]
             return {"name": name, "error": f"exit {done.returncode}", "output_tail": tail, "command": command}
         with open(out) as handle:
             result = json.load(handle)
