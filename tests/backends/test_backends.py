@@ -97,6 +97,12 @@ def test_dtype_probes(device: torch.device) -> None:
     assert b.preferred_dtype(i) in (torch.bfloat16, torch.float16, torch.float32)
 
 
+def test_probe_inside_a_default_device_block(device: torch.device) -> None:
+    b, i = _backend(device)
+    with torch.device(device):  # models are often built this way; the probe makes its inputs on the host
+        assert b._probe(torch.float32, i).works
+
+
 def test_a_broken_dtype_fails_its_probe(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
     b, i = _backend(device)
     real_softmax = torch.softmax

@@ -252,9 +252,10 @@ class Backend:
         return self.dtype_probes(index)[dtype].works
 
     def _probe(self, dtype: torch.dtype, index: int) -> DtypeProbe:
+        # host tensors, even inside a ``with torch.device(...)`` block that sets another default device
         gen = torch.Generator().manual_seed(1234)
-        a = torch.randn(64, 96, generator=gen)
-        b = torch.randn(96, 80, generator=gen)
+        a = torch.randn(64, 96, generator=gen, device="cpu")
+        b = torch.randn(96, 80, generator=gen, device="cpu")
         expected = torch.softmax(a.double() @ b.double() / 8, dim=-1)
         device = self.device(index)
         try:
