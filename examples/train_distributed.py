@@ -64,9 +64,10 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = LlamaConfig(**shape, max_position_embeddings=max(4096, seq), tie_word_embeddings=False)
     config._attn_implementation = "sdpa"
+    dtype = torchport.dtype(device)  # bfloat16 where the device computes it well
     torch.manual_seed(0)  # every rank builds the same model
     with torch.device(device):
-        model = LlamaForCausalLM(config).to(torchport.dtype(device))
+        model = LlamaForCausalLM(config).to(dtype)
     if not args.no_patch:
         torchport.patch(model)
     if args.checkpointing:
