@@ -7,6 +7,7 @@ configurations, each in its own processes, from the same seed and the same globa
 * ``reference``: one device, the 8-row global batch as 2 accumulated micro-batches of 4 (the loss curve the
   two-device runs must follow);
 * ``ddp`` / ``fsdp``: two devices, 4 rows each (global batch 8);
+* ``ddp-bf16-reduce``: DDP reducing bf16 gradients in bf16 (half the bytes of the default float32 reduction);
 * ``fsdp+ckpt``: FSDP with activation checkpointing (memory at the cost of a recomputed forward).
 
 Reported: tokens/s, scaling efficiency (2-device tokens/s / 1-device tokens/s; target >= 1.85 for DDP), peak
@@ -33,24 +34,25 @@ ROOT = os.path.dirname(HERE)
 EXAMPLE = os.path.join(ROOT, "examples", "train_distributed.py")
 
 RUNS = {
-    # name: processes, strategy, gradient accumulation, activation checkpointing
-    "single": (1, "none", 1, False),
-    "reference": (1, "none", 2, False),
-    "ddp": (2, "ddp", 1, False),
-    "fsdp": (2, "fsdp", 1, False),
-    "fsdp+ckpt": (2, "fsdp", 1, True),
+    # name: processes, strategy, gradient accumulation, extra flags of the example
+    "single": (1, "none", 1, []),
+    "reference": (1, "none", 2, []),
+    "ddp": (2, "ddp", 1, []),
+    "ddp-bf16-reduce": (2, "ddp", 1, ["--reduce-in-param-dtype"]),
+    "fsdp": (2, "fsdp", 1, []),
+    "fsdp+ckpt": (2, "fsdp", 1, ["--checkpointing"]),
 }
 
 
 def run(name: str, preset: str, steps: int, warmup: int, device: str | None, timeout: float) -> dict[str, Any]:
-    processes, strategy, accum, checkpointing = RUNS[name]
+    processes, strategy, accum, flags = RUNS[name]
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
         command = [sys.executable, "-m", "torchport", "run", "--nproc-per-node", str(processes)]
         command += ["--device", device] if device else []
         command += [EXAMPLE, "--preset", preset, "--strategy", strategy, "--steps", str(steps), "--warmup",
                     str(warmup), "--grad-accum", str(accum), "--json", out]
-        command += ["--checkpointing"] if checkpointing else []
+        command += flags
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.path.join(ROOT, "src"),
                                                                            os.environ.get("PYTHONPATH")]))}
         done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout, check=False)
@@ -111,17 +113,17 @@ def main() -> None:
                   f"GiB/device, losses {' '.join(f'{x:.4f}' for x in result['losses'])}", flush=True)
     summary = summarise(results)
 
-    print(f"\n{'run':<10} {'devices':>7} {'global batch':>12} {'tokens/s':>10} {'scaling':>8} {'peak GiB':>9} "
+    print(f"\n{'run':<16} {'devices':>7} {'global batch':>12} {'tokens/s':>10} {'scaling':>8} {'peak GiB':>9} "
           f"{'vs single':>9} {'max |dloss|':>11}")
     for name, result in results.items():
         if "error" in result:
-            print(f"{name:<10} failed: {result['error']}")
+            print(f"{name:<16} failed: {result['error']}")
             continue
         row = summary[name]
         scaling = f"{row['scaling_efficiency']:.3f}" if "scaling_efficiency" in row else "-"
         ratio = f"{row['peak_vs_single']:.2f}" if "peak_vs_single" in row else "-"
         diff = f"{row['max_loss_diff_vs_reference']:.4f}" if "max_loss_diff_vs_reference" in row else "-"
-        print(f"{name:<10} {result['world_size']:>7} {result['global_batch']:>12} {result['tokens_per_s']:>10.0f} "
+        print(f"{name:<16} {result['world_size']:>7} {result['global_batch']:>12} {result['tokens_per_s']:>10.0f} "
               f"{scaling:>8} {result['peak_memory_gib_per_process']:>9.2f} {ratio:>9} {diff:>11}")
     os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
     with open(args.json, "w") as handle:
