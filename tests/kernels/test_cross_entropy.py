@@ -193,3 +193,27 @@ def test_bad_input_is_a_clear_error(device):
 def test_tensors_on_different_devices(npu):
     with pytest.raises(ValueError, match=r"one device, got logits on npu:0, target on cpu"):
         torchport.kernels.cross_entropy(torch.randn(2, 8, device=npu), torch.tensor([1, 2]))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_loss_dtype_float32_for_16_bit_logits(reduction, device, impl):
+    """loss_dtype=float32 (what Hugging Face's causal-LM loss returns): the float32 result, not rounded to bf16 on
+    the way (which is off by up to 2^-9 = 2e-3); the gradient stays in the logits' dtype. torch_npu's operator
+    returns its per-row losses in the logits' dtype: on the npu implementation loss_dtype widens those."""
+    if not torchport.backends.get_backend(device.type).dtype_works(torch.bfloat16, device.index or 0):
+        pytest.skip(f"bfloat16 does not work on {device}")
+    x64, t = make(33, 1000, ignored="some")
+    x = x64.to(device, torch.bfloat16).requires_grad_()
+    n_valid = check_targets("test", t, 1000, IGNORE)
+    loss = call("cross_entropy", impl, x, t.to(device), IGNORE, 0.0, reduction, 0.0, False, n_valid, torch.float32)
+    assert loss.dtype == torch.float32
+    ref = expected(x64.bfloat16().double(), t, 0.0, 0.0, reduction)
+    tolerance = 4e-3 if impl == "npu" else 1e-5
+    torch.testing.assert_close(loss.double().cpu(), ref, rtol=tolerance, atol=tolerance)
+    loss.backward(torch.ones_like(loss))
+    assert x.grad.dtype == torch.bfloat16
+    public = torchport.kernels.cross_entropy(x.detach(), t.to(device), reduction=reduction, loss_dtype=torch.float32)
+    tolerance = 4e-3 if registry.select("cross_entropy", device).name == "npu" else 1e-5  # auto mode's choice
+    torch.testing.assert_close(public.double().cpu(), ref, rtol=tolerance, atol=tolerance)
+    with pytest.raises(TypeError, match="loss_dtype=torch.int32 must be a floating dtype"):
+        torchport.kernels.cross_entropy(x, t.to(device), loss_dtype=torch.int32)

@@ -45,7 +45,7 @@ from torch import nn
 from . import registry
 from .checks import check_floating, check_same_device, widen
 
-__all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "loss_and_grad_reference"]
+__all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "per_row_losses"]
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -75,44 +75,36 @@ def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smo
     return torch.where(valid, loss, torch.zeros_like(loss)), lse, valid, safe
 
 
+def per_row_losses(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                   z_loss: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(per-row losses, non-ignored mask) of ``[N, V]`` logits already in float32 or float64, differentiable: the
+    reference math that the fused linear cross-entropy's reference shares."""
+    rows, _, valid, _ = _per_row(x, target, ignore_index, label_smoothing, z_loss)
+    return rows, valid
+
+
 @registry.register_kernel("cross_entropy", "reference")
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                             label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
-                            in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+                            in_place: bool = False, n_valid: int | None = None,
+                            loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Plain PyTorch on ``[N, V]`` logits and ``[N]`` targets, in float32 (float64 for float64 logits); the loss is
-    returned in the logits' dtype, as ``F.cross_entropy`` does."""
+    returned in ``loss_dtype``, by default the logits' dtype, as ``F.cross_entropy`` does."""
     rows, _, valid, _ = _per_row(widen(logits), target, ignore_index, label_smoothing, z_loss)
-    return _reduce(rows, valid, reduction, logits.dtype)
-
-
-def loss_and_grad_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-                            z_loss: float, grad_scale: float, grad_out: torch.Tensor | None) -> torch.Tensor:
-    """Per-row losses (float32 or float64) and, into ``grad_out`` (may be ``logits``), ``grad_scale · d loss_row /
-    d logits`` — the same contract as the Triton kernel's ``loss_and_grad``, in PyTorch, for chunks of logits."""
-    x = widen(logits)
-    rows, lse, valid, safe = _per_row(x, target, ignore_index, label_smoothing, z_loss)
-    if grad_out is not None:
-        v = x.shape[-1]
-        grad = torch.exp(x - lse.unsqueeze(-1))
-        if z_loss:
-            grad.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(-1))
-        if label_smoothing:
-            grad.sub_(label_smoothing / v)
-        grad.scatter_add_(-1, safe.unsqueeze(-1), torch.full_like(lse, label_smoothing - 1.0).unsqueeze(-1))
-        grad.mul_((valid.to(grad.dtype) * grad_scale).unsqueeze(-1))
-        grad_out.copy_(grad)
-    return rows
+    return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
 
 @registry.register_kernel("cross_entropy", "triton", devices=["cuda"], priority=20)
 def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                           label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
-                          in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+                          in_place: bool = False, n_valid: int | None = None,
+                          loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     from .triton import cross_entropy as kernel
 
     if n_valid is None:
         n_valid = int((target != ignore_index).sum())
-    return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid)
+    return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid,
+                                loss_dtype)
 
 
 _NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
@@ -122,7 +114,8 @@ _NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
                           requires=registry.fused_op_reason("npu_cross_entropy_loss"))
 def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                        label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
-                       in_place: bool = False, n_valid: int | None = None) -> torch.Tensor:
+                       in_place: bool = False, n_valid: int | None = None,
+                       loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     if z_loss:
         raise registry.Unsupported("torch_npu.npu_cross_entropy_loss does not support z-loss yet")
     if not 0 < logits.shape[0] <= _NPU_MAX_ROWS:
@@ -137,7 +130,7 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     safe = torch.where(valid, target, torch.zeros_like(target)).long()
     rows = op(logits, safe, None, "none", -1, float(label_smoothing))[0]
     rows = torch.where(valid, rows.float(), torch.zeros((), dtype=torch.float32, device=rows.device))
-    return _reduce(rows, valid, reduction, logits.dtype)
+    return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
 
 def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> int:
@@ -175,7 +168,8 @@ def check_target_tensor(op: str, target: torch.Tensor, expected: torch.Size, wha
 
 
 def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100, label_smoothing: float = 0.0,
-                  reduction: str = "mean", *, z_loss: float = 0.0, in_place: bool = False) -> torch.Tensor:
+                  reduction: str = "mean", *, z_loss: float = 0.0, in_place: bool = False,
+                  loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Cross-entropy of ``logits`` against class indices ``target`` (see the module docstring for the formula).
 
     Args:
@@ -187,9 +181,12 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         z_loss: weight of ``lse²`` added to each non-ignored row's loss (0 disables it).
         in_place: let the Triton kernel write the gradient over ``logits`` instead of a new buffer (saves one
             logits-sized buffer; only when nothing reads the logits afterwards — see the module docstring).
+        loss_dtype: the dtype of the returned loss; default the logits' (as ``F.cross_entropy``).
+            ``torch.float32`` returns the float32 sum unrounded, as Hugging Face's causal-LM loss (which upcasts the
+            logits) does. The gradient keeps the logits' dtype.
 
     Returns:
-        A scalar in the logits' dtype, or for ``"none"`` the per-row losses with ``target``'s shape.
+        A scalar, or for ``"none"`` the per-row losses with ``target``'s shape.
 
     Example:
         >>> loss = cross_entropy(torch.randn(8, 1000, requires_grad=True), torch.randint(0, 1000, (8,)))
@@ -204,13 +201,15 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     check_options(op, label_smoothing, reduction)
     if z_loss < 0:
         raise ValueError(f"{op}: z_loss={z_loss} must be >= 0")
+    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
+        raise TypeError(f"{op}: loss_dtype={loss_dtype!r} must be a floating dtype (torch.float32, ...) or None")
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
     n_valid = check_targets(op, flat, vocab, ignore_index)
     loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
-                         float(z_loss), bool(in_place), n_valid)
+                         float(z_loss), bool(in_place), n_valid, loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -223,7 +222,7 @@ class CrossEntropyLoss(nn.Module):
     """
 
     def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", *,
-                 z_loss: float = 0.0, in_place: bool = False) -> None:
+                 z_loss: float = 0.0, in_place: bool = False, loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_options("CrossEntropyLoss", label_smoothing, reduction)
         self.ignore_index = ignore_index
@@ -231,11 +230,13 @@ class CrossEntropyLoss(nn.Module):
         self.reduction = reduction
         self.z_loss = z_loss
         self.in_place = in_place
+        self.loss_dtype = loss_dtype
 
     def forward(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return cross_entropy(logits, target, self.ignore_index, self.label_smoothing, self.reduction,
-                             z_loss=self.z_loss, in_place=self.in_place)
+                             z_loss=self.z_loss, in_place=self.in_place, loss_dtype=self.loss_dtype)
 
     def extra_repr(self) -> str:
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
-                f"reduction={self.reduction!r}, z_loss={self.z_loss}, in_place={self.in_place}")
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, in_place={self.in_place}, "
+                f"loss_dtype={self.loss_dtype}")

@@ -1,30 +1,49 @@
 """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits: the LM head and its loss in one.
 
-The tokens are processed in chunks. For each chunk the forward computes the chunk's logits with one matmul, gets
-the per-row losses and ``d loss / d logits`` from the cross-entropy kernel of the device (written over the chunk's
-logits, a temporary nobody else holds), and turns them into ``grad_hidden`` for those rows
-(``dlogits @ weight``) and a contribution to ``grad_weight`` (``dlogits.T @ hidden``) and ``grad_bias``, which
-accumulate across chunks in float32. The backward then only multiplies by the upstream gradient.
+For N tokens, hidden size H and vocabulary V, the logits are N·V values (2 GiB in bf16 for 8192 x 128256) and
+the gradients must be formed from them; the op keeps at most a *workspace* of them at a time
+(:func:`workspace_bytes`: 48 MiB, or 3/4 of the hidden states' size when that is more) beyond its outputs and
+gradients. It runs in two passes, both in the forward (the backward only multiplies by the upstream gradient):
 
-Memory, for N tokens, hidden size H, vocabulary V, s bytes per element: one chunk of logits (C·V·s, and the
-reference CE math's float32 temporaries of C·V·4 off CUDA), ``grad_hidden`` (N·H·s), the float32 weight-gradient
-accumulator (V·H·4, plus the V·H·s cast to the weight's dtype at the end) and the bias one (V·4) — instead of
-N·V logits, their float32 copy and their gradient. The chunk holds ``CHUNK_BYTES // (4·V)`` tokens (rounded
-down to a multiple of 64): 512 tokens (128 MiB of bf16 logits) for V = 128256; a larger chunk barely speeds up
-the matmuls (8192 tokens, 4096 → 128256: three matmuls of 8.6 TFLOP each dominate) while memory grows linearly.
+1. **Token blocks** (``Blocks.tokens`` rows, vocabulary slices of ``Blocks.vocab`` columns). For each slice the
+   block's logits ``h_t @ W_s.T``, then one kernel folds them into each row's running maximum ``m``, sum
+   ``d = Σ exp(logit − m)``, target logit and logit sum (an online softmax), and overwrites them with
+   ``p = exp(logit − m)``; then ``O += p @ W_s`` into a float32 ``[tokens, H]`` accumulator. When a slice raises
+   a row's maximum by more than ``RESCALE_MARGIN`` (the maximum moves only then, so ``p`` stays below e⁸), the
+   row of ``O`` and ``d`` are rescaled first (as FlashAttention's output; a row whose maximum stays put is not
+   touched). At the block's end ``softmax @ W = O / d``, so ``grad_hidden = scale · ((1 + 2z·lse)·O/d −
+   (1−ε)·W[target] − ε/V·Σ_v W_v)``, rounded once into the hidden's dtype; and each row's ``lse = m + log d``
+   gives its loss.
+2. **Vocabulary slices** (``Blocks.grad_vocab`` columns, all N tokens). For each slice the logits again,
+   overwritten by their gradient (``lse`` known now), then ``grad_weight[slice] = dlogits.T @ hidden`` written
+   once, straight into the weight's dtype: no accumulator, no read-modify-write of a V x H buffer.
 
-``reduction="none"`` cannot fold the upstream gradient into the weight gradient in the forward (each row has its
-own), so its forward computes losses only and its backward recomputes each chunk's logits (one more matmul).
+Cost: four matmuls of 2·N·H·V FLOPs (logits twice, ``O``, ``grad_weight``) against three for the unfused op;
+every one is large (8192 x 4096 x 128256: blocks of 1024 x 16064 and slices of 8192 x 3072), so they run near the
+matmul peak, and the only other traffic is two reads and writes of each logit by the kernels. The alternatives
+cost more (counted in ``benchmarks/KERNELS_NOTES.md``): token chunks holding whole rows of logits (three matmuls)
+must accumulate ``grad_weight`` over every chunk, which at 62 MiB of logits (256 tokens) means 32 read-modify-
+writes of a V x H buffer (22 ms of traffic at 8192 x 4096 -> 128256 in bf16); in bf16 (liger-kernel's default)
+its error grows with the number of chunks (2.2x the unfused op's error at 32 chunks, 3.2x at 64, emulated on the
+CPU), in float32 the buffer is 2 GiB more.
+Here each gradient is rounded once, as the unfused op's: ``grad_weight`` from one float32-accumulated matmul,
+``grad_hidden`` from the float32 ``O``. A frozen head (``weight`` without gradient) skips pass 2: two matmuls.
+
+Memory beyond the outputs (N·H and V·H for the gradients): pass 1 holds ``O`` (float32, ``Blocks.tokens`` x H,
+16 MiB) and one block of logits, pass 2 one slice of all N rows, both within the workspace. Soft-capping with
+label smoothing needs a second accumulator (the smoothing term's slope varies per logit).
+
+``reduction="none"``: the per-row upstream gradient must weight each row before rows are summed into
+``grad_weight``, so pass 2 runs in the backward (``grad_hidden`` from pass 1 is scaled row by row there).
 
 ``num_items_in_batch`` (Hugging Face Trainer's gradient-accumulation convention): the loss is the *sum* over the
 non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exactly
 ``F.cross_entropy(logits, target, reduction="sum") / num_items_in_batch`` — so micro-batch losses add up to the
 mean over the whole accumulated batch.
 
-Implementations: ``triton`` (CUDA/ROCm: the chunks use the Triton cross-entropy kernel), ``npu`` and ``chunked``
-(the same chunked PyTorch with the reference cross-entropy math per chunk: Ascend has no fused
-linear-cross-entropy operator, and torch_npu's ``npu_cross_entropy_loss`` returns log-probabilities for its own
-backward rather than the gradient), and the ``reference``: the full logits, then ``F.cross_entropy``.
+Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torchport.kernels.triton.cross_entropy`),
+``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch: Ascend has no fused
+linear-cross-entropy operator), and the ``reference``: the full logits, then the cross-entropy in float32.
 ``chunked`` serves every other device in auto mode; ``TORCHPORT_KERNELS`` can force ``reference``, ``triton``
 (CUDA) or ``npu`` (Ascend), the modes every op shares.
 
@@ -34,8 +53,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -43,46 +64,170 @@ from torch import nn
 
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
-from .cross_entropy import (
-    check_options, check_target_tensor, check_targets, loss_and_grad_reference,
-)
+from .cross_entropy import check_options, check_target_tensor, check_targets, per_row_losses
 
-__all__ = ["CHUNK_BYTES", "FusedLinearCrossEntropyLoss", "chunk_tokens", "fused_linear_cross_entropy"]
+__all__ = ["RESCALE_MARGIN", "WORKSPACE_BYTES", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
+           "fused_linear_cross_entropy", "workspace_bytes"]
 
-CHUNK_BYTES = 256 * 2**20  # a chunk's logits in float32 stay under this
-
-
-def chunk_tokens(n: int, vocab: int) -> int:
-    """Tokens per chunk for ``n`` tokens and a vocabulary of ``vocab`` (see the module docstring)."""
-    tokens = max(1, CHUNK_BYTES // (4 * max(vocab, 1)))
-    if tokens >= 64:
-        tokens -= tokens % 64
-    return max(1, min(n, tokens))
+WORKSPACE_BYTES = 48 * 2**20  # the least workspace; liger-kernel's chunk of logits is 62.6 MiB at 8192 x 4096 -> 128256
+RESCALE_MARGIN = 8.0  # a row's running maximum moves when a slice exceeds it by more than this (p <= e^8 ~ 2981)
+# Rows x hidden of the pass-1 accumulator: 16 MiB of float32. The matmul accumulating into it then has about 128
+# output tiles of 128 x 256, one wave on a 132-multiprocessor H100, whatever the hidden size.
+_ACCUMULATOR_ELEMENTS = 4 * 2**20
+_ALIGN = 64  # block and slice sizes are multiples of this (aligned rows for the matmuls)
 
 
-@registry.register_kernel("fused_linear_cross_entropy", "reference")
-def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                         bias: torch.Tensor | None = None, ignore_index: int = -100,
-                                         label_smoothing: float = 0.0, reduction: str = "mean",
-                                         divisor: float | None = None, n_valid: int | None = None) -> torch.Tensor:
-    """``F.linear`` then ``F.cross_entropy`` in float32 (float64 for float64 inputs), on ``[N, H]`` hidden states;
-    a mean over no rows is 0, and ``divisor`` replaces the mean's row count."""
-    logits = widen(F.linear(hidden, weight, bias))
-    if reduction == "none":
-        return F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                               reduction="none").to(hidden.dtype)
-    total = F.cross_entropy(logits, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                            reduction="sum")
-    if divisor is not None:
-        total = total / divisor
-    elif reduction == "mean":
-        total = total / (target != ignore_index).sum().clamp_min(1)
-    return total.to(hidden.dtype)
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """How the two passes cut the work: ``tokens`` x ``vocab`` logits per step of pass 1, N x ``grad_vocab`` per step
+    of pass 2."""
+
+    tokens: int
+    vocab: int
+    grad_vocab: int
+
+
+def workspace_bytes(n: int, hidden: int, element_size: int) -> int:
+    """Bytes the op may hold beyond its outputs for ``n`` tokens of ``hidden`` values of ``element_size`` bytes."""
+    return max(WORKSPACE_BYTES, 3 * n * hidden * element_size // 4)
+
+
+def _balanced(total: int, most: int) -> int:
+    """The size of near-equal parts of ``total`` of at most ``most`` each, a multiple of ``_ALIGN`` where it can be."""
+    most = max(1, most)
+    if total <= most:
+        return max(total, 1)
+    parts = -(-total // most)
+    size = -(-total // parts)
+    aligned = -(-size // _ALIGN) * _ALIGN
+    return aligned if aligned <= most else max(size, most // _ALIGN * _ALIGN)
+
+
+def blocks(n: int, hidden: int, vocab: int, element_size: int, accumulators: int = 1) -> Blocks:
+    """The block sizes for ``n`` tokens, ``hidden`` -> ``vocab``, with ``accumulators`` float32 ``[tokens, hidden]``
+    buffers in pass 1 (0 without ``grad_hidden``, 2 for soft-capping with label smoothing).
+
+    Example:
+        >>> blocks(8192, 4096, 128256, 2)
+        Blocks(tokens=1024, vocab=16064, grad_vocab=3072)
+    """
+    budget = workspace_bytes(n, hidden, element_size)
+    tokens = _balanced(n, max(_ALIGN, _ACCUMULATOR_ELEMENTS // max(hidden, 1)))
+    while tokens > _ALIGN and accumulators * tokens * hidden * 4 > budget // 2:
+        tokens = _balanced(n, tokens // 2)
+    left = budget - accumulators * tokens * hidden * 4
+    per_column = tokens * element_size * (2 if accumulators > 1 else 1)  # the slopes' buffer with 2
+    return Blocks(tokens, _balanced(vocab, left // per_column), _balanced(vocab, budget // max(n * element_size, 1)))
+
+
+class _SliceMath(NamedTuple):
+    """The per-slice element-wise steps, in Triton or in PyTorch (signatures of the Triton module's functions);
+    ``scale_rows(t, factor)``: ``t[i] *= factor[i]``, for the accumulator's rescaling (Triton's skips rows whose
+    factor is exactly 1, which most rows' is)."""
+
+    stats: Callable[..., None]
+    grad: Callable[..., None]
+    scale_rows: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _row_chunks(x: torch.Tensor, copies: int) -> range:
+    """Row starts for the PyTorch steps, so that ``copies`` float32 temporaries of a chunk of ``x`` stay within half
+    of ``x``'s own bytes (on an NPU the workspace is device memory too)."""
+    rows, width = x.shape
+    step = max(1, x.element_size() * rows // (2 * 4 * copies))
+    return range(0, rows, step)
+
+
+def _stats_torch(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
+                 alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
+                 slope_out: torch.Tensor | None) -> None:
+    chunks = _row_chunks(x, 1 if softcap is None else 2)
+    for r in chunks:
+        sl = slice(r, r + chunks.step)
+        _stats_rows(x[sl], target[sl], v0, tuple(v[sl] for v in state), alpha[sl], ignore_index, softcap, margin,
+                    want_p, None if slope_out is None else slope_out[sl])
+
+
+def _stats_rows(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
+                alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
+                slope_out: torch.Tensor | None) -> None:
+    m, d, x_t, total = state
+    width = x.shape[1]
+    y = x.to(m.dtype, copy=True)
+    if softcap is not None:
+        y.div_(softcap).tanh_().mul_(softcap)
+    valid = target != ignore_index
+    top = y.amax(1) if width else torch.full_like(m, -math.inf)
+    m_new = torch.where(valid & (top > m + margin), top, m)
+    alpha.copy_(torch.where(m == -math.inf, torch.ones_like(m), torch.exp(m - m_new)))
+    local = target - v0
+    inside = valid & (local >= 0) & (local < width)
+    if width:
+        x_t.copy_(torch.where(inside, y.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1), x_t))
+    total.add_(torch.where(valid, y.sum(1), torch.zeros_like(total)))
+    slope = None
+    if softcap is not None:
+        slope = torch.square(y / softcap).neg_().add_(1.0).masked_fill_(~valid.unsqueeze(1), 0.0)
+    # in place: exp(y - m); an ignored row's maximum is -inf, so its values are inf until masked
+    e = y.sub_(m_new.unsqueeze(1)).exp_().masked_fill_(~valid.unsqueeze(1), 0.0)
+    d.copy_(torch.where(valid, d * alpha + e.sum(1), d))
+    m.copy_(m_new)
+    if want_p:
+        x.copy_(e if slope is None else e.mul_(slope))
+    if slope_out is not None:
+        slope_out.copy_(slope)
+
+
+def _grad_torch(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
+                label_smoothing: float, z_loss: float, softcap: float | None) -> None:
+    chunks = _row_chunks(x, 1 if softcap is None else 2)
+    for r in chunks:
+        sl = slice(r, r + chunks.step)
+        _grad_rows(x[sl], target[sl], v0, vocab, lse[sl], scale[sl], label_smoothing, z_loss, softcap)
+
+
+def _grad_rows(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
+               label_smoothing: float, z_loss: float, softcap: float | None) -> None:
+    width = x.shape[1]
+    g = x.to(lse.dtype, copy=True)
+    slope = None
+    if softcap is not None:
+        g.div_(softcap).tanh_()
+        slope = torch.square(g).neg_().add_(1.0)
+        g.mul_(softcap)
+    g.sub_(lse.unsqueeze(1)).exp_()
+    if z_loss:
+        g.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
+    if label_smoothing:
+        g.sub_(label_smoothing / vocab)
+    local = target - v0
+    inside = (local >= 0) & (local < width)
+    if width:
+        g.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1),
+                       torch.where(inside, label_smoothing - 1.0, 0.0).to(g.dtype).unsqueeze(1))
+    if slope is not None:
+        g.mul_(slope)
+    # masked, not only multiplied: rows with scale 0 (ignored targets) are 0 even where their exp() overflowed
+    g.mul_(scale.unsqueeze(1)).masked_fill_((scale == 0).unsqueeze(1), 0.0)
+    x.copy_(g)
+
+
+def _scale_rows_torch(t: torch.Tensor, factor: torch.Tensor) -> None:
+    t.mul_(factor.unsqueeze(1))
+
+
+_TORCH_MATH = _SliceMath(_stats_torch, _grad_torch, _scale_rows_torch)
+
+
+def _triton_math() -> _SliceMath:
+    from .triton import cross_entropy as kernel
+
+    return _SliceMath(kernel.slice_stats, kernel.slice_grad, kernel.scale_rows)
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
     """``acc += a @ b`` with ``acc`` in float32: straight into it where the device's matmul can write float32 from
-    16-bit inputs (no weight-sized temporary), else through a product in the inputs' dtype."""
+    16-bit inputs (CUDA), else through a product rounded once to the inputs' dtype (the CPU in torch 2.13)."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
         return
@@ -98,39 +243,164 @@ def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
 _OUT_DTYPE_WORKS: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=float32) runs there
 
 
-class _ChunkedFunction(torch.autograd.Function):
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int,
+            buffer: torch.Tensor) -> torch.Tensor:
+    """``h @ weight[v0:v1].T (+ bias)`` written into the front of ``buffer`` (no allocation in the loops)."""
+    out = buffer[: h.shape[0] * (v1 - v0)].view(h.shape[0], v1 - v0)
+    if bias is None:
+        torch.mm(h, weight[v0:v1].t(), out=out)
+    else:
+        torch.addmm(bias[v0:v1], h, weight[v0:v1].t(), out=out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    reduction: str
+    scale: float  # the reduction's factor: 1/n_valid for a mean, 1/num_items_in_batch, or 1
+    loss_dtype: torch.dtype | None
+
+
+def _accumulator(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _pass_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                 valid: torch.Tensor, opts: _Options, math_: _SliceMath, h_scale: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pass 1: per-row log-sum-exp and loss, and ``grad_hidden`` scaled row by row by ``h_scale`` (None: not
+    wanted)."""
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    acc = _accumulator(hidden)
+    eps, softcap = opts.label_smoothing, opts.softcap
+    want_h = h_scale is not None
+    two = want_h and bool(eps) and softcap is not None  # the smoothing term's own accumulator
+    plan = blocks(n, hidden_size, vocab, hidden.element_size(), accumulators=(2 if two else 1) if want_h else 0)
+    m = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
+    d, x_t, total = (torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(3))
+    grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    buffer = torch.empty(plan.tokens * plan.vocab, dtype=hidden.dtype, device=hidden.device)
+    slopes = torch.empty_like(buffer) if two else None
+    alpha = torch.empty(plan.tokens, dtype=acc, device=hidden.device)
+    out_acc = torch.empty(plan.tokens, hidden_size, dtype=acc, device=hidden.device) if want_h else None
+    smooth_acc = torch.empty_like(out_acc) if two else None
+    colsum = weight.sum(0, dtype=acc) if want_h and eps and softcap is None else None
+    starts = range(0, n, plan.tokens)
+    busy = F.pad(valid, (0, len(starts) * plan.tokens - n)).view(-1, plan.tokens).any(1).tolist()
+    for a, used in zip(starts, busy):
+        if not used:
+            continue  # every target of the block ignored: loss 0, gradient 0
+        b = min(n, a + plan.tokens)
+        h, t = hidden[a:b], target[a:b]
+        state = (m[a:b], d[a:b], x_t[a:b], total[a:b])
+        o = s = None
+        if want_h:
+            o = out_acc[: b - a].zero_()
+            s = smooth_acc[: b - a].zero_() if two else None
+        for v0 in range(0, vocab, plan.vocab):
+            v1 = min(vocab, v0 + plan.vocab)
+            x = _logits(h, weight, bias, v0, v1, buffer)
+            g = slopes[: x.numel()].view(x.shape) if two else None
+            math_.stats(x, t, v0, state, alpha[: b - a], opts.ignore_index, softcap, RESCALE_MARGIN, want_h, g)
+            if want_h:
+                math_.scale_rows(o, alpha[: b - a])
+                _add_product(o, x, weight[v0:v1])
+                if two:
+                    _add_product(s, g, weight[v0:v1])
+        if want_h:
+            _finish_grad_hidden(o, s, colsum, weight, t, valid[a:b], state, h_scale[a:b], opts, buffer,
+                                grad_h[a:b])
+    lse = torch.where(valid, m + torch.log(d), torch.zeros_like(m))
+    rows = lse - (1.0 - eps) * x_t - (eps / vocab) * total
+    if opts.z_loss:
+        rows = rows + opts.z_loss * lse * lse
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    return lse, rows, grad_h
+
+
+def _finish_grad_hidden(o: torch.Tensor, s: torch.Tensor | None, colsum: torch.Tensor | None, weight: torch.Tensor,
+                        target: torch.Tensor, valid: torch.Tensor, state: tuple[torch.Tensor, ...],
+                        scale: torch.Tensor, opts: _Options, buffer: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = scale · ((1 + 2z·lse)·O/d − (1−ε)·slope_t·W[target] − ε/V·S)``, ``S`` the smoothing accumulator or
+    the column sums of W, rounded once into ``out``."""
+    m, d, x_t, _ = state
+    eps, softcap = opts.label_smoothing, opts.softcap
+    safe_d = torch.where(valid, d, torch.ones_like(d))
+    lse = torch.where(valid, m + torch.log(safe_d), torch.zeros_like(m))
+    scale = torch.where(valid, scale, torch.zeros_like(scale))
+    o.mul_((scale * (1.0 + 2.0 * opts.z_loss * lse) / safe_d).unsqueeze(1))
+    target_coef = scale * (1.0 - eps)
+    if softcap is not None:
+        target_coef = target_coef * (1.0 - (x_t / softcap) ** 2)
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    rows, hidden_size = o.shape
+    step = max(1, min(rows, buffer.numel() // max(hidden_size, 1)))
+    for r in range(0, rows, step):  # W[target] gathered into the free logits buffer, a few rows at a time
+        w_rows = buffer[: min(step, rows - r) * hidden_size].view(-1, hidden_size)
+        torch.index_select(weight, 0, safe_t[r:r + step], out=w_rows)
+        o[r:r + step].addcmul_(w_rows, target_coef[r:r + step].unsqueeze(1), value=-1.0)
+    if eps:
+        smoothing = scale * (-eps / weight.shape[0])
+        if s is not None:
+            o.add_(s.mul_(smoothing.unsqueeze(1)))
+        else:
+            o.addr_(smoothing, colsum)
+    out.copy_(o)
+
+
+def _pass_vocab(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                lse: torch.Tensor, row_scale: torch.Tensor, opts: _Options, math_: _SliceMath, want_w: bool,
+                want_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Pass 2: ``grad_weight`` (in the weight's dtype) and ``grad_bias`` (in float32) of ``Σ row_scale · loss_row``,
+    one vocabulary slice at a time."""
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    plan = blocks(n, hidden_size, vocab, hidden.element_size())
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
+    grad_b = torch.empty(vocab, dtype=_accumulator(hidden), device=hidden.device) if want_b else None
+    buffer = torch.empty(n * plan.grad_vocab, dtype=hidden.dtype, device=hidden.device)
+    for v0 in range(0, vocab, plan.grad_vocab):
+        v1 = min(vocab, v0 + plan.grad_vocab)
+        x = _logits(hidden, weight, bias, v0, v1, buffer)
+        math_.grad(x, target, v0, vocab, lse, row_scale, opts.label_smoothing, opts.z_loss, opts.softcap)
+        if want_w:
+            torch.mm(x.t(), hidden, out=grad_w[v0:v1])
+        if want_b:
+            torch.sum(x, 0, dtype=grad_b.dtype, out=grad_b[v0:v1])
+    return grad_w, grad_b
+
+
+class _TwoPassFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str, scale: float,
-                loss_and_grad: Callable[..., torch.Tensor]) -> torch.Tensor:
-        n = hidden.shape[0]
-        chunk = chunk_tokens(n, weight.shape[0])
+                target: torch.Tensor, opts: _Options, math_: _SliceMath) -> torch.Tensor:
         want_h, want_w, want_b = ctx.needs_input_grad[:3]
         want_b = want_b and bias is not None
-        grads_now = reduction != "none" and (want_h or want_w or want_b)
-        rows = torch.empty(n, dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64,
-                           device=hidden.device)
-        grad_h = torch.empty_like(hidden) if grads_now and want_h else None
-        grad_w = torch.zeros(weight.shape, dtype=_accumulator(weight), device=weight.device) if grads_now and want_w \
-            else None
-        grad_b = torch.zeros(bias.shape, dtype=_accumulator(bias), device=bias.device) if grads_now and want_b \
-            else None
-        for start in range(0, n, chunk):
-            end = min(n, start + chunk)
-            h = hidden[start:end]
-            logits = F.linear(h, weight, bias)
-            rows[start:end] = loss_and_grad(logits, target[start:end], ignore_index, label_smoothing, 0.0, scale,
-                                            logits if grads_now else None)
-            if grads_now:
-                _chunk_grads(logits, h, weight, grad_h, grad_w, grad_b, start, end)
-        ctx.args = (ignore_index, label_smoothing, reduction, loss_and_grad, weight.dtype,
-                    None if bias is None else bias.dtype, (want_h, want_w, want_b))
+        valid = target != opts.ignore_index
+        acc = _accumulator(hidden)
+        per_row = opts.reduction == "none"
+        # "none": unit scale now, each row's upstream gradient in the backward
+        row_scale = valid.to(acc) * (1.0 if per_row else opts.scale)
+        lse, rows, grad_h = _pass_tokens(hidden, weight, bias, target, valid, opts, math_,
+                                         row_scale if want_h else None)
+        grad_w = grad_b = None
+        if not per_row and (want_w or want_b):
+            grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w, want_b)
+        ctx.opts, ctx.math = opts, math_
+        ctx.wanted = (want_h, want_w, want_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
         ctx.used = False
-        if reduction == "none":
-            ctx.save_for_backward(hidden, weight, bias, target)
-            return rows.to(hidden.dtype)
-        ctx.save_for_backward(grad_h, grad_w, grad_b)
-        return (rows.sum() * scale).to(hidden.dtype)
+        loss_dtype = opts.loss_dtype or hidden.dtype
+        if per_row:
+            ctx.save_for_backward(hidden, weight, bias, target, lse, grad_h)
+            return rows.to(loss_dtype)
+        ctx.save_for_backward(grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
+        return (rows.sum() * opts.scale).to(loss_dtype)
 
     @staticmethod
     def backward(ctx: Any, dloss: torch.Tensor) -> tuple[Any, ...]:
@@ -140,108 +410,115 @@ class _ChunkedFunction(torch.autograd.Function):
                 "backward; a second backward through the same loss (retain_graph=True) is not supported"
             )
         ctx.used = True
-        ignore_index, label_smoothing, reduction, loss_and_grad, w_dtype, b_dtype, wanted = ctx.args
-        if reduction == "none":
-            grad_h, grad_w, grad_b = _recompute(ctx.saved_tensors, dloss, ignore_index, label_smoothing,
-                                                loss_and_grad, wanted)
+        opts, math_ = ctx.opts, ctx.math
+        want_h, want_w, want_b = ctx.wanted
+        if opts.reduction == "none":
+            hidden, weight, bias, target, lse, grad_h = ctx.saved_tensors
+            factor = dloss.reshape(-1).to(lse.dtype)
+            if grad_h is not None:
+                grad_h.mul_(factor.unsqueeze(1))
+            grad_w = grad_b = None
+            if want_w or want_b:
+                row_scale = torch.where(target != opts.ignore_index, factor, torch.zeros_like(factor))
+                grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w,
+                                             want_b)
+                grad_b = None if grad_b is None else grad_b.to(ctx.dtypes[1])
         else:
             grad_h, grad_w, grad_b = ctx.saved_tensors
-            for g in (grad_h, grad_w, grad_b):
-                if g is not None:
-                    g.mul_(dloss.to(g.dtype))
-        # New views (or casts) of our own buffers: autograd hands them on without copying.
+            # One host read of the upstream gradient: loss.backward() gives exactly 1, and then the gradients
+            # (1 GiB of grad_weight for 4096 x 128256 bf16) are handed over without a pass over them.
+            factor = float(dloss)
+            if factor != 1.0:
+                for g in (grad_h, grad_w, grad_b):
+                    if g is not None:
+                        g.mul_(factor)  # a Python float: multiplied in float32, rounded once
+        # New views of our own buffers: autograd hands them on without copying.
         return (None if grad_h is None else grad_h.view(grad_h.shape),
-                None if grad_w is None else grad_w.to(w_dtype).view(grad_w.shape),
-                None if grad_b is None else grad_b.to(b_dtype).view(grad_b.shape),
-                None, None, None, None, None, None)
+                None if grad_w is None else grad_w.view(grad_w.shape),
+                None if grad_b is None else grad_b.view(grad_b.shape),
+                None, None, None)
 
 
-def _accumulator(t: torch.Tensor) -> torch.dtype:
-    return torch.float64 if t.dtype == torch.float64 else torch.float32
-
-
-def _chunk_grads(dlogits: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, grad_h: torch.Tensor | None,
-                 grad_w: torch.Tensor | None, grad_b: torch.Tensor | None, start: int, end: int) -> None:
-    if grad_h is not None:
-        torch.mm(dlogits, weight, out=grad_h[start:end])
-    if grad_w is not None:
-        _add_product(grad_w, dlogits.t(), h)
-    if grad_b is not None:
-        grad_b.add_(dlogits.sum(0, dtype=grad_b.dtype))
-
-
-def _recompute(saved: tuple[torch.Tensor, ...], dloss: torch.Tensor, ignore_index: int, label_smoothing: float,
-               loss_and_grad: Callable[..., torch.Tensor],
-               wanted: tuple[bool, bool, bool]) -> tuple[torch.Tensor | None, ...]:
-    """Gradients of ``sum(dloss · loss_rows)`` for ``reduction="none"``: each chunk's logits again, their gradient
-    scaled row by row, then the same products as the forward of the other reductions."""
-    hidden, weight, bias, target = saved
-    want_h, want_w, want_b = wanted
-    grad_h = torch.empty_like(hidden) if want_h else None
-    grad_w = torch.zeros(weight.shape, dtype=_accumulator(weight), device=weight.device) if want_w else None
-    grad_b = torch.zeros(bias.shape, dtype=_accumulator(bias), device=bias.device) if want_b else None
-    n = hidden.shape[0]
-    chunk = chunk_tokens(n, weight.shape[0])
-    for start in range(0, n, chunk):
-        end = min(n, start + chunk)
-        h = hidden[start:end]
-        logits = F.linear(h, weight, bias)
-        loss_and_grad(logits, target[start:end], ignore_index, label_smoothing, 0.0, 1.0, logits)
-        logits.mul_(dloss[start:end].to(logits.dtype).unsqueeze(-1))
-        _chunk_grads(logits, h, weight, grad_h, grad_w, grad_b, start, end)
-    return grad_h, grad_w, grad_b
-
-
-def _chunked(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-             ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
-             loss_and_grad: Callable[..., torch.Tensor]) -> torch.Tensor:
+def _two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+              ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
+              z_loss: float, softcap: float | None, loss_dtype: torch.dtype | None,
+              math_: _SliceMath) -> torch.Tensor:
     if n_valid is None:
         n_valid = int((target != ignore_index).sum())
     if divisor is not None:
         scale = 1.0 / divisor
     else:
         scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
-    return _ChunkedFunction.apply(hidden, weight, bias, target, ignore_index, label_smoothing, reduction, scale,
-                                  loss_and_grad)
+    opts = _Options(ignore_index, label_smoothing, z_loss, softcap, reduction, scale, loss_dtype)
+    return _TwoPassFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)
+
+
+@registry.register_kernel("fused_linear_cross_entropy", "reference")
+def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                                         bias: torch.Tensor | None = None, ignore_index: int = -100,
+                                         label_smoothing: float = 0.0, reduction: str = "mean",
+                                         divisor: float | None = None, n_valid: int | None = None,
+                                         z_loss: float = 0.0, softcap: float | None = None,
+                                         loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``F.linear``, the soft-cap, then the cross-entropy in float32 (float64 for float64 inputs), on ``[N, H]``
+    hidden states; a mean over no rows is 0, and ``divisor`` replaces the mean's row count."""
+    logits = widen(F.linear(hidden, weight, bias))
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
+    rows, valid = per_row_losses(logits, target, ignore_index, label_smoothing, z_loss)
+    dtype = loss_dtype or hidden.dtype
+    if reduction == "none":
+        return rows.to(dtype)
+    total = rows.sum()
+    if divisor is not None:
+        total = total / divisor
+    elif reduction == "mean":
+        total = total / valid.sum().clamp_min(1)
+    return total.to(dtype)
 
 
 @registry.register_kernel("fused_linear_cross_entropy", "chunked", priority=10)
 def _fused_linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                         bias: torch.Tensor | None = None, ignore_index: int = -100,
                                         label_smoothing: float = 0.0, reduction: str = "mean",
-                                        divisor: float | None = None, n_valid: int | None = None) -> torch.Tensor:
-    return _chunked(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                    loss_and_grad_reference)
+                                        divisor: float | None = None, n_valid: int | None = None,
+                                        z_loss: float = 0.0, softcap: float | None = None,
+                                        loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return _two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
+                     z_loss, softcap, loss_dtype, _TORCH_MATH)
 
 
 @registry.register_kernel("fused_linear_cross_entropy", "npu", devices=["npu"], priority=15)
 def _fused_linear_cross_entropy_npu(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                     bias: torch.Tensor | None = None, ignore_index: int = -100,
                                     label_smoothing: float = 0.0, reduction: str = "mean",
-                                    divisor: float | None = None, n_valid: int | None = None) -> torch.Tensor:
-    # The chunked PyTorch implementation: there is no fused operator to call (see the module docstring).
-    return _chunked(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                    loss_and_grad_reference)
+                                    divisor: float | None = None, n_valid: int | None = None,
+                                    z_loss: float = 0.0, softcap: float | None = None,
+                                    loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    # The two passes with the per-slice math in PyTorch: there is no fused operator to call (module docstring).
+    return _two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
+                     z_loss, softcap, loss_dtype, _TORCH_MATH)
 
 
 @registry.register_kernel("fused_linear_cross_entropy", "triton", devices=["cuda"], priority=20)
 def _fused_linear_cross_entropy_triton(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                        bias: torch.Tensor | None = None, ignore_index: int = -100,
                                        label_smoothing: float = 0.0, reduction: str = "mean",
-                                       divisor: float | None = None, n_valid: int | None = None) -> torch.Tensor:
-    from .triton import cross_entropy as kernel
-
+                                       divisor: float | None = None, n_valid: int | None = None,
+                                       z_loss: float = 0.0, softcap: float | None = None,
+                                       loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {hidden.dtype}")
-    return _chunked(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                    kernel.loss_and_grad)
+        raise registry.Unsupported(f"the Triton kernels take float32, bfloat16 or float16, not {hidden.dtype}")
+    return _two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
+                     z_loss, softcap, loss_dtype, _triton_math())
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                bias: torch.Tensor | None = None, ignore_index: int = -100,
                                label_smoothing: float = 0.0, reduction: str = "mean", *,
-                               num_items_in_batch: int | float | torch.Tensor | None = None) -> torch.Tensor:
-    """Cross-entropy of ``hidden @ weight.T + bias`` against ``target``, computed chunk by chunk.
+                               num_items_in_batch: int | float | torch.Tensor | None = None, z_loss: float = 0.0,
+                               softcap: float | None = None, loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``target``, without the ``[tokens, vocab]`` logits.
 
     Args:
         hidden: ``[N, H]`` or ``[B, T, H]`` hidden states (float32, bfloat16 or float16).
@@ -252,9 +529,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         reduction: ``"mean"`` (over non-ignored tokens; 0 when all are ignored), ``"sum"`` or ``"none"``.
         num_items_in_batch: when given (Hugging Face Trainer under gradient accumulation), the loss is the sum
             over this call's tokens divided by it, whatever ``reduction`` (``"mean"`` or ``"sum"``) says.
+        z_loss: weight of ``lse²`` added to each non-ignored token's loss (as :func:`cross_entropy`).
+        softcap: when given, the logits are ``softcap · tanh(logits / softcap)`` (Gemma 2's
+            ``final_logit_softcapping``), with that function's derivative in the gradients.
+        loss_dtype: the dtype of the returned loss; default hidden's (as ``F.cross_entropy``). ``torch.float32``
+            returns the float32 sum unrounded, as Hugging Face's causal-LM loss (which upcasts the logits) does.
+            Gradients keep the inputs' dtypes.
 
     Returns:
-        A scalar in hidden's dtype, or for ``"none"`` the per-token losses with ``target``'s shape.
+        A scalar, or for ``"none"`` the per-token losses with ``target``'s shape.
 
     Example:
         >>> h, w = torch.randn(4, 16, 64, requires_grad=True), torch.randn(1000, 64, requires_grad=True)
@@ -277,6 +560,12 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     target = check_target_tensor(op, target, hidden.shape[:-1], "hidden's shape without the hidden dim")
     check_same_device(op, hidden=hidden, weight=weight, bias=bias, target=target)
     check_options(op, label_smoothing, reduction)
+    if not z_loss >= 0:
+        raise ValueError(f"{op}: z_loss={z_loss} must be >= 0")
+    if softcap is not None and not (isinstance(softcap, (int, float)) and softcap > 0):
+        raise ValueError(f"{op}: softcap={softcap!r} must be a number > 0, or None for no soft-capping")
+    if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
+        raise TypeError(f"{op}: loss_dtype={loss_dtype!r} must be a floating dtype (torch.float32, ...) or None")
     divisor = None
     if num_items_in_batch is not None:
         if reduction == "none":
@@ -287,7 +576,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     n_valid = check_targets(op, flat, vocab, ignore_index)
     loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
-                         reduction, divisor, n_valid)
+                         reduction, divisor, n_valid, float(z_loss), None if softcap is None else float(softcap),
+                         loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -299,18 +589,25 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         >>> loss = criterion(hidden_states, model.lm_head.weight, labels)
     """
 
-    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean") -> None:
+    def __init__(self, ignore_index: int = -100, label_smoothing: float = 0.0, reduction: str = "mean", *,
+                 z_loss: float = 0.0, softcap: float | None = None, loss_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         check_options("FusedLinearCrossEntropyLoss", label_smoothing, reduction)
         self.ignore_index = ignore_index
         self.label_smoothing = label_smoothing
         self.reduction = reduction
+        self.z_loss = z_loss
+        self.softcap = softcap
+        self.loss_dtype = loss_dtype
 
     def forward(self, hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                 bias: torch.Tensor | None = None, *,
                 num_items_in_batch: int | float | torch.Tensor | None = None) -> torch.Tensor:
         return fused_linear_cross_entropy(hidden, weight, target, bias, self.ignore_index, self.label_smoothing,
-                                          self.reduction, num_items_in_batch=num_items_in_batch)
+                                          self.reduction, num_items_in_batch=num_items_in_batch, z_loss=self.z_loss,
+                                          softcap=self.softcap, loss_dtype=self.loss_dtype)
 
     def extra_repr(self) -> str:
-        return f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, reduction={self.reduction!r}"
+        return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
+                f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}, "
+                f"loss_dtype={self.loss_dtype}")
