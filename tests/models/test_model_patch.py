@@ -58,8 +58,7 @@ def _compare(case: str, device: torch.device, dtype: torch.dtype, **flags: bool)
 def test_fp32_loss_and_grads_match(case, device):
     _needs("fused_linear_cross_entropy")
     out, out_ref = _compare(case, device, torch.float32)
-    fused = case != "gemma2"
-    assert (out.logits is None) == fused  # the fused loss makes no logits; soft-capped Gemma 2 keeps them
+    assert out.logits is None  # the fused loss makes no logits, soft-capped (Gemma 2) or not
 
 
 @pytest.mark.parametrize("case", ["llama", "gemma", "gemma2", "phi3", "qwen3"])
@@ -355,3 +354,119 @@ def test_subclass_with_its_own_forward_is_left_alone():
     model.model.norm = ScaledNorm(64)
     torchport.patch(model)
     assert "forward" not in model.model.norm.__dict__ and "forward" in model.model.layers[0].input_layernorm.__dict__
+
+
+@pytest.mark.parametrize("flags", [dict(cross_entropy=True, fused_linear_cross_entropy=False), {}],
+                         ids=["cross_entropy", "fused_linear_cross_entropy"])
+def test_bf16_loss_is_float32_and_unrounded(flags):
+    """A bf16 model's loss, with only the loss patched: float32 like transformers' own, and equal to it in float32
+    arithmetic (a loss rounded to bf16 on the way is off by up to 2^-9 = 2e-3)."""
+    _needs(*LOSS_KERNELS)
+    base = build("qwen3")
+    reference = to_device(base, torch.device("cpu"), torch.bfloat16)
+    patched = torchport.patch(to_device(base, torch.device("cpu"), torch.bfloat16), rms_norm=False, rope=False,
+                              swiglu=False, geglu=False, **flags)
+    inputs = batch(torch.device("cpu"))
+    loss, ref = patched(**inputs).loss, reference(**inputs).loss
+    assert loss.dtype == ref.dtype == torch.float32
+    assert relative_error(loss, ref) < 2e-5, (loss.item(), ref.item())
+    loss.backward()
+    assert patched.lm_head.weight.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("case", ["gemma2", "gemma3_text"])
+def test_softcapped_logits_through_the_fused_loss(case):
+    """Gemma 2/3 soft-cap their logits (cap · tanh(logits / cap)); the fused loss does the same. With logits of a
+    few units and a cap of 1, a loss without the cap would differ by far more than the tolerance."""
+    _needs("fused_linear_cross_entropy")
+    base = build(case, final_logit_softcapping=1.0)
+    with torch.no_grad():
+        base.lm_head.weight.mul_(20.0)  # tied to the embeddings: the inputs grow too, the norms take that
+    reference, patched = (to_device(base, torch.device("cpu"), torch.float32) for _ in range(2))
+    torchport.patch(patched)
+    inputs = batch(torch.device("cpu"))
+    out_ref, grads_ref = loss_and_grads(reference, inputs)
+    out, grads = loss_and_grads(patched, inputs)
+    assert out.logits is None
+    assert relative_error(out.loss, out_ref.loss) < 1e-6
+    assert all(relative_error(grads[k], grads_ref[k]) < 1e-5 for k in grads_ref)
+    uncapped = to_device(base, torch.device("cpu"), torch.float32)
+    uncapped.config.final_logit_softcapping = None
+    assert relative_error(uncapped(**inputs).loss, out_ref.loss) > 1e-2
+
+
+def _assert_patched_copy(copy_, original, inputs):
+    """``copy_`` is a patched model of its own that computes what ``original`` computes."""
+    assert torchport.models.is_patched(copy_)
+    forward = copy_.model.norm.forward
+    assert forward.__self__ is copy_.model.norm and forward.__func__.__qualname__.startswith("torchport.")
+    assert copy_.model.layers[0].mlp.forward.__self__ is copy_.model.layers[0].mlp
+    out = copy_(**inputs)
+    assert out.logits is None  # the fused loss
+    torch.testing.assert_close(out.loss, original(**inputs).loss)
+
+
+@pytest.mark.parametrize("how", ["pickle", "torch.save", "deepcopy"])
+def test_pickle_save_and_deepcopy_of_a_patched_model(how):
+    import copy
+    import io
+    import pickle
+
+    import transformers.models.llama.modeling_llama as llama
+
+    rope = llama.apply_rotary_pos_emb
+    model = torchport.patch(build("llama"))
+    if how == "pickle":
+        twin = pickle.loads(pickle.dumps(model))
+    elif how == "torch.save":
+        buffer = io.BytesIO()
+        torch.save(model, buffer)
+        buffer.seek(0)
+        twin = torch.load(buffer, weights_only=False)
+    else:
+        twin = copy.deepcopy(model)
+    assert twin is not model and twin.model.norm is not model.model.norm
+    _assert_patched_copy(twin, model, batch(torch.device("cpu")))
+    torchport.unpatch(model)
+    assert llama.apply_rotary_pos_emb is not rope  # the copy holds the rope patch of its own
+    torchport.unpatch(twin)
+    assert "forward" not in twin.model.norm.__dict__ and "forward" not in twin.__dict__
+    assert llama.apply_rotary_pos_emb is rope and not torchport.models.is_patched()
+
+
+def test_patched_forward_keeps_the_signature():
+    import inspect
+
+    base = build("gemma")
+    model = torchport.patch(to_device(base, torch.device("cpu"), torch.float32))
+    assert inspect.signature(model.forward) == inspect.signature(base.forward)  # what HF's generate/Trainer read
+    assert len(inspect.signature(model.model.norm.forward).parameters) == 1  # bound: no self
+    assert "torchport" in repr(model.model.norm.forward)
+
+
+def test_saved_patched_model_loads_patched_in_a_new_process(tmp_path):
+    """torch.save in this process, torch.load in a fresh one: the loaded model runs the kernels there (rope
+    included, which lives in transformers' module) and gives the same loss."""
+    import subprocess
+    import sys
+
+    model = torchport.patch(build("llama"))
+    inputs = batch(torch.device("cpu"))
+    torch.save({"model": model, "inputs": inputs, "loss": model(**inputs).loss.detach()}, tmp_path / "patched.pt")
+    script = (
+        "import sys, torch\n"
+        "import transformers.models.llama.modeling_llama as llama\n"
+        "rope = llama.apply_rotary_pos_emb\n"
+        f"saved = torch.load({str(tmp_path / 'patched.pt')!r}, weights_only=False)\n"
+        "import torchport\n"
+        "model = saved['model']\n"
+        "out = model(**saved['inputs'])\n"
+        "assert torchport.models.is_patched(model) and out.logits is None\n"
+        "assert llama.apply_rotary_pos_emb is not rope\n"
+        "torch.testing.assert_close(out.loss, saved['loss'])\n"
+        "torchport.unpatch(model)\n"
+        "assert llama.apply_rotary_pos_emb is rope\n"
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert done.returncode == 0 and done.stdout.split() == ["ok"], done.stderr[-2000:]

@@ -15,7 +15,10 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
+import inspect
 import logging
 import threading
 import types
@@ -126,26 +129,76 @@ def _release(holder: Any) -> None:
                 del _shared[key]
 
 
+@dataclasses.dataclass(frozen=True)
+class _Recipe:
+    """How one replaced forward is made from the table: ``kind`` is ``"norm"`` (``option``: in place),
+    ``"mlp"`` (``option``: the gated kernels allowed) or ``"causal_lm"`` (the fused linear cross-entropy)."""
+
+    kind: str
+    model_type: str
+    option: Any = None
+
+
+@functools.lru_cache(maxsize=None)
+def _make(recipe: _Recipe) -> Callable[..., Any]:
+    family = FAMILIES[recipe.model_type]
+    if recipe.kind == "norm":
+        return ops.make_norm_forward(family.norm, recipe.option)
+    if recipe.kind == "mlp":
+        return ops.make_mlp_forward(family.mlp, recipe.option, _original(_resolve(family, family.mlp.cls)))
+    return ops.make_fused_linear_forward(_original(_resolve(family, family.causal_lm)), family.softcap)
+
+
+class _Forward:
+    """A module's forward as :func:`patch` replaces it: ``__func__(__self__, ...)``, like a bound method (with the
+    signature of one), that pickles and deep-copies as the recipe that made it. A bound method would pickle as
+    ``getattr(module, "forward")``, which on loading finds the class's forward: a saved model would come back
+    half patched, without a word."""
+
+    __slots__ = ("__func__", "__self__", "recipe")
+
+    def __init__(self, module: nn.Module, recipe: _Recipe) -> None:
+        self.__self__, self.recipe = module, recipe
+        self.__func__ = _make(recipe)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.__func__(self.__self__, *args, **kwargs)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return _Forward, (self.__self__, self.recipe)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # what inspect.signature(module.forward) reports (HF reads it)
+        return inspect.signature(types.MethodType(self.__func__, self.__self__))
+
+    def __repr__(self) -> str:
+        return f"<torchport forward {self.__func__.__qualname__} of {type(self.__self__).__name__}>"
+
+
 class _Record:
     """What :func:`patch` changed on one model: ``(owner, attr, previous value)`` entries, and the shared
-    attributes (rope) it holds. Kept in the model's ``__dict__``; a deep copy of the model (a reference model, an
-    EMA copy) is a patched model of its own, with its own record and holds."""
+    attributes (rope: ``(module name, function name)``) it holds. Kept in the model's ``__dict__``; a deep copy or
+    an unpickled copy of the model (a reference model, an EMA copy, ``torch.load`` of a saved one) is a patched
+    model of its own, with its own record and holds."""
 
-    def __init__(self, model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[int, str]]) -> None:
-        self.saved, self.shared, self.model_id = saved, shared, id(model)
+    def __init__(self, model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[str, str]]) -> None:
+        self.saved, self.shared = saved, shared
+        self.model = weakref.ref(model)
         # A model dropped without unpatch() still gives back its holds on shared attributes.
         self.finalizer = weakref.finalize(model, _release, id(model))
         _models.add(model)
 
-    def __deepcopy__(self, memo: dict[int, Any]) -> _Record:
-        from copy import deepcopy
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The model is made (and memoised) before its __dict__, which holds this record, is copied or loaded: the
+        # copy's modules own the saved entries, and the copy takes holds of its own.
+        return _restore_record, (self.model(), self.saved, self.shared)
 
-        model = memo[self.model_id]  # the model's copy, made (and memoised) before its __dict__ is copied
-        saved = deepcopy(self.saved, memo)  # owners become the copy's modules, bound forwards bind to them
-        with _lock:
-            for key in self.shared:
-                _shared[key][3].add(id(model))
-            return _Record(model, saved, list(self.shared))
+
+def _restore_record(model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[str, str]]) -> _Record:
+    with _lock:
+        for module_name, attr in shared:
+            _hold(importlib.import_module(module_name), attr, ops.make_rope, id(model))
+        return _Record(model, saved, list(shared))
 
 
 def _unwrap(model: Any) -> nn.Module:
@@ -203,8 +256,12 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         swiglu, geglu: gated MLPs whose activation is SiLU / tanh-GELU -> the fused kernel.
         cross_entropy: the causal LM's loss -> :func:`torchport.kernels.cross_entropy` (logits still made).
         fused_linear_cross_entropy: in training with labels, the loss straight from the final hidden states and
-            ``lm_head`` without logits (``output.logits`` is None then); evaluation and generation are unchanged.
-            Not applied to soft-capped logits (Gemma 2) or a LoRA-wrapped ``lm_head``.
+            ``lm_head`` without logits (``output.logits`` is None then), soft-capped as the model soft-caps its
+            logits (Gemma 2's ``final_logit_softcapping``); evaluation and generation are unchanged. Not applied
+            to a LoRA-wrapped ``lm_head``.
+
+    The losses are float32, as transformers' own. A patched model pickles, saves (``torch.save``) and
+    deep-copies as a patched model: the copy runs the same kernels and is unpatched on its own.
 
     Returns:
         ``model`` itself.
@@ -224,20 +281,19 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             saved.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
             _set(owner, attr, value)
 
+        model_type = inner.config.model_type
         norm_cls = _resolve(family, family.norm.cls)
         mlp_cls = _resolve(family, family.mlp.cls)
         glus = frozenset(op for op in ("swiglu", "geglu") if flags[op])
-        forwards = {in_place: ops.make_norm_forward(family.norm, in_place) for in_place in (False, True)}
-        mlp_forward = ops.make_mlp_forward(family.mlp, glus, _original(mlp_cls))
         counts = {"rms_norm": 0, "mlp": 0}
         for name, module in inner.named_modules():
             if flags["rms_norm"] and _defines_forward(module, norm_cls):
                 in_place = name.rsplit(".", 1)[-1] not in family.norm.residual_outputs
-                put(module, _forward_slot(module), types.MethodType(forwards[in_place], module))
+                put(module, _forward_slot(module), _Forward(module, _Recipe("norm", model_type, in_place)))
                 counts["rms_norm"] += 1
             elif glus and _defines_forward(module, mlp_cls):
                 if ops.gated_kernel(getattr(module, family.mlp.act, None)) in glus:
-                    put(module, _forward_slot(module), types.MethodType(mlp_forward, module))
+                    put(module, _forward_slot(module), _Forward(module, _Recipe("mlp", model_type, glus)))
                     counts["mlp"] += 1
                 else:
                     logger.info("torchport.patch: %s keeps its MLP (activation %s has no gated kernel here)",
@@ -247,17 +303,11 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             if flags["cross_entropy"]:
                 put(inner, "_loss_function", ops.causal_lm_loss)  # what the loss_function property returns
             if flags["fused_linear_cross_entropy"]:
-                forward = ops.make_fused_linear_forward(_original(lm_cls), family.softcap)
-                put(inner, _forward_slot(inner), types.MethodType(forward, inner))
-                if family.softcap and getattr(inner.config, family.softcap, None) is not None:
-                    logger.warning("torchport.patch: %s soft-caps its logits (%s=%s); the fused linear "
-                                   "cross-entropy does not, so this model's loss keeps its logits",
-                                   type(inner).__name__, family.softcap, getattr(inner.config, family.softcap))
+                put(inner, _forward_slot(inner), _Forward(inner, _Recipe("causal_lm", model_type)))
         shared = []
         if flags["rope"]:
-            module = importlib.import_module(family.module)
-            _hold(module, family.rope, ops.make_rope, id(inner))
-            shared.append((id(module), family.rope))
+            _hold(importlib.import_module(family.module), family.rope, ops.make_rope, id(inner))
+            shared.append((family.module, family.rope))
         inner.__dict__["_torchport_patch"] = _Record(inner, saved, shared)
         logger.info("torchport.patch: %s (%s): %d norms, %d MLPs, flags %s", type(inner).__name__,
                     inner.config.model_type, counts["rms_norm"], counts["mlp"],

@@ -13,7 +13,8 @@ flag                   table field          what is replaced
 ``rope``               ``rope``             the module-level ``apply_rotary_pos_emb`` -> :func:`rope`
 ``cross_entropy``      ``causal_lm``        the causal LM's ``loss_function`` -> :func:`cross_entropy`
 ``fused_linear_...``   ``causal_lm``        the causal LM's forward: in training with labels, the loss of
-                                            ``lm_head(hidden)`` without the logits
+                                            ``lm_head(hidden)`` without the logits (soft-capped as the
+                                            family's ``softcap`` config attribute says)
 =====================  ===================  ==========================================================
 
 Example:
@@ -63,7 +64,7 @@ class Family:
     mlp: MLP
     causal_lm: str  # the causal-LM class (its loss and forward)
     rope: str = "apply_rotary_pos_emb"  # module-level function with Hugging Face's (q, k, cos, sin) contract
-    softcap: str | None = None  # config attribute that soft-caps the logits; when set, no fused linear CE
+    softcap: str | None = None  # config attribute by which the logits are soft-capped (the fused loss does it too)
 
 
 def _llama_like(name: str, prefix: str, **norm: object) -> Family:

@@ -129,7 +129,8 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size
                    shift_labels: torch.Tensor | None = None, **kwargs: Any) -> torch.Tensor:
     """transformers' ``ForCausalLMLoss`` through :func:`torchport.kernels.cross_entropy` (no float32 copy of the
     logits): labels shifted left by one, ``ignore_index`` skipped, the mean over counted tokens, or the sum divided
-    by ``num_items_in_batch`` when the trainer gives it (gradient accumulation).
+    by ``num_items_in_batch`` when the trainer gives it (gradient accumulation). The loss is float32, as
+    transformers' (which upcasts the logits), and not rounded to the logits' dtype on the way.
 
     Example:
         >>> loss = causal_lm_loss(logits, input_ids, model.config.vocab_size)
@@ -137,17 +138,15 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor | None, vocab_size
     target = _shifted_targets(labels, shift_labels, ignore_index).to(logits.device)
     reduction = "mean" if num_items_in_batch is None else "sum"
     loss = kernels.cross_entropy(logits.reshape(-1, vocab_size), target, ignore_index=ignore_index,
-                                 reduction=reduction)
-    return _per_item(loss.float(), num_items_in_batch)
+                                 reduction=reduction, loss_dtype=torch.float32)
+    return _per_item(loss, num_items_in_batch)
 
 
-def _fusable(model: nn.Module, softcap: str | None, labels: Any, logits_to_keep: Any, kwargs: dict) -> bool:
+def _fusable(model: nn.Module, labels: Any, logits_to_keep: Any) -> bool:
     if not model.training or labels is None:
         return False  # evaluation and generation keep their logits; as in transformers, no labels means no loss
     if not (isinstance(logits_to_keep, int) and logits_to_keep == 0):
         return False
-    if softcap is not None and getattr(model.config, softcap, None) is not None:
-        return False  # the kernel has no soft-capping
     # A PEFT-wrapped lm_head (LoRA) is not an nn.Linear: its weight alone would drop the adapter.
     return isinstance(model.lm_head, nn.Linear) and type(model.lm_head).forward is nn.Linear.forward
 
@@ -155,8 +154,9 @@ def _fusable(model: nn.Module, softcap: str | None, labels: Any, logits_to_keep:
 def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None) -> Callable[..., Any]:
     """A causal LM's forward whose training loss is :func:`torchport.kernels.fused_linear_cross_entropy` of the
     final hidden states and ``lm_head``: no ``[tokens, vocab]`` logits are made, and ``logits`` in the output is
-    None. In evaluation, without labels, with ``logits_to_keep``, soft-capped logits or a wrapped ``lm_head``, it
-    is ``original``.
+    None. ``softcap`` names the config attribute by which the model soft-caps its logits (Gemma 2's
+    ``final_logit_softcapping``), passed to the kernel. The loss is float32, as transformers'. In evaluation,
+    without labels, with ``logits_to_keep`` or a wrapped ``lm_head``, it is ``original``.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import can_return_tuple
@@ -174,11 +174,16 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None)
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
         target = _shifted_targets(labels, kwargs.get("shift_labels"), ignore_index).to(hidden.device)
         num_items = kwargs.get("num_items_in_batch")
+        # A positive count divides inside the kernel, so that loss.backward() hands it an upstream gradient of 1
+        # (no pass over the V x H weight gradient to scale it); 0 (nothing counted) divides outside, as transformers.
+        inside = num_items is not None and float(num_items) > 0
         loss = kernels.fused_linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, target, bias=self.lm_head.bias,
             ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+            num_items_in_batch=num_items if inside else None, loss_dtype=torch.float32,
+            softcap=getattr(self.config, softcap, None) if softcap else None,
         )
-        return CausalLMOutputWithPast(loss=_per_item(loss.float(), num_items), logits=None,
+        return CausalLMOutputWithPast(loss=loss if inside else _per_item(loss, num_items), logits=None,
                                       past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
                                       attentions=outputs.attentions)
 
@@ -191,7 +196,7 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None)
         if len(args) > len(names) or any(name in kwargs for name in names[:len(args)]):
             return original(self, *args, **kwargs)  # let the original raise its TypeError
         kwargs.update(zip(names, args))
-        if not _fusable(self, softcap, kwargs.get("labels"), kwargs.get("logits_to_keep", 0), kwargs):
+        if not _fusable(self, kwargs.get("labels"), kwargs.get("logits_to_keep", 0)):
             return original(self, **kwargs)
         return fused(self, **kwargs)
 
