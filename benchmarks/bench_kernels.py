@@ -49,6 +49,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 #   linear+CE  FLOP-bound, 3 matmuls of 2*N*H*V FLOPs (logits, d hidden, d weight): 6*N*H*V FLOPs; bytes here
 #              are only the tensors read and written once: hidden, weight, their gradients
 #                                                                               2 * (h.numel() + w.numel()) * e
+#              (torchport's fused op runs 4 such matmuls, logits twice, to hold no more than its workspace; the
+#              TFLOP/s printed for this op count the unfused op's 6*N*H*V for every contender)
 
 
 def rms_norm_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
@@ -73,6 +75,10 @@ def cross_entropy_bytes(logits: torch.Tensor, target: torch.Tensor) -> int:
 
 def linear_cross_entropy_bytes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
     return 2 * (hidden.numel() + weight.numel()) * hidden.element_size()
+
+
+def linear_cross_entropy_flops(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
+    return 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0]
 
 
 # --- eager versions, as HF modeling code writes them ---------------------------------------------------------------
@@ -222,7 +228,8 @@ def _torchport(op: str, in_place: bool) -> Callable:
     if op == "cross_entropy":
         return (lambda x, t: kernels.cross_entropy(x, t, in_place=True)) if in_place else kernels.cross_entropy
     if op == "fused_linear_cross_entropy":
-        return kernels.fused_linear_cross_entropy
+        # a float32 loss, as eager's (and Hugging Face's) upcast logits give and liger returns; same cost
+        return lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, loss_dtype=torch.float32)
     raise ValueError(op)
 
 
@@ -530,10 +537,14 @@ def bench_op(op: Op, dims, contenders, dtype, dev: Device, ceiling_gbps: float, 
         with scope:
             rows.append(measure(op, name, fn, args, grads, ref, dev, TOLERANCE[dtype]))
         dev.synchronize()
+    flops = linear_cross_entropy_flops(*args) if op.name == "fused_linear_cross_entropy" else None
     for row in rows:
         if row.get("median_ms"):
             row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9
             row["pct_ceiling"] = 100 * row["gbps"] / ceiling_gbps
+            if flops:
+                row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12
+                print(f"  {LABELS[row['contender']]:<19} {row['tflops']:.1f} TFLOP/s counting 6·N·H·V")
     judge(op, rows)
     return {"op": op.name, "title": op.describe(dims), "dims": list(dims), "bytes_moved": nbytes,
             "ideal_ms": nbytes / ceiling_gbps / 1e6, "target_speedup": op.target, "rows": rows}
@@ -722,7 +733,15 @@ def main() -> None:
     parser.add_argument("--rep", type=float, default=None, help="repetitions per measurement, ms (500; --small 50)")
     parser.add_argument("--json", default=None, help="default: benchmarks/results/kernels.json (kernels_small.json)")
     parser.add_argument("--plot", default=None, help="default: benchmarks/results/kernels.png (kernels_small.png)")
+    parser.add_argument("--flce-workspace-mib", type=float, default=None,
+                        help="the fused linear cross-entropy's least workspace in MiB (default: the module's, 48); "
+                             "for trying block sizes: more is larger matmuls and more memory")
     args = parser.parse_args()
+    if args.flce_workspace_mib is not None:
+        import importlib
+
+        flce = importlib.import_module("torchport.kernels.fused_linear_cross_entropy")
+        flce.WORKSPACE_BYTES = int(args.flce_workspace_mib * 2**20)
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
