@@ -44,8 +44,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=int, default=1,
                         help="micro-batches per step, each of --batch rows (covers a larger global batch)")
     parser.add_argument("--checkpointing", action="store_true", help="recompute activations in the backward")
-    parser.add_argument("--reduce-in-param-dtype", action="store_true",
-                        help="reduce gradients in the parameters' dtype instead of float32 (half the bytes)")
+    parser.add_argument("--reduce-dtype", choices=["auto", "float32", "param"], default="auto",
+                        help="dtype of the gradient reduction: torchport's choice, float32, or the parameters' own")
     parser.add_argument("--no-patch", action="store_true", help="leave out torchport's kernels")
     parser.add_argument("--save", type=Path, help="write a checkpoint there after training")
     parser.add_argument("--json", type=Path, help="write the measurements there (rank 0)")
@@ -75,8 +75,8 @@ def main(argv: list[str] | None = None) -> dict:
     if args.checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
-    reduce = {"reduce_dtype": None} if args.reduce_in_param_dtype else {}
-    wrapped = model if args.strategy == "none" else td.wrap(model, args.strategy, **reduce)
+    reduce = {"auto": "auto", "float32": torch.float32, "param": None}[args.reduce_dtype]
+    wrapped = model if args.strategy == "none" else td.wrap(model, args.strategy, reduce_dtype=reduce)
     optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-4)
 
     global_rows = rows * world * args.grad_accum
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> dict:
         "device_name": backend.device_name(device.index or 0),
         "rows_per_process": rows, "seq": seq, "grad_accum": args.grad_accum, "global_batch": global_rows,
         "checkpointing": args.checkpointing, "patched": not args.no_patch,
-        "reduce_dtype": "param" if args.reduce_in_param_dtype else "auto",
+        "reduce_dtype": args.reduce_dtype,
         "tokens_per_s": global_rows * seq * len(timed) / sum(timed) if timed else None,
         "step_ms": [round(t * 1e3, 2) for t in timed], "losses": losses,
         "peak_memory_gib_per_process": float(peaks.item()) / 2**30,

@@ -69,10 +69,21 @@ def group_of_one():
     dist.destroy_process_group()
 
 
-def test_bf16_gradients_are_reduced_in_fp32(group_of_one) -> None:
+def test_reduction_dtype_follows_the_rank_count() -> None:
+    from torchport.distributed.parallel import _reduce_dtype
+
+    assert _reduce_dtype("auto", torch.bfloat16, 8) is torch.float32  # a rounding per partial sum: widen
+    assert _reduce_dtype("auto", torch.float16, 3) is torch.float32
+    assert _reduce_dtype("auto", torch.bfloat16, 2) is None  # one rounding either way
+    assert _reduce_dtype("auto", torch.float32, 64) is None
+    assert _reduce_dtype(None, torch.bfloat16, 64) is None
+    assert _reduce_dtype("float32", torch.bfloat16, 2) is torch.float32
+
+
+def test_bf16_gradients_reduced_in_fp32_when_asked(group_of_one) -> None:
     torch.manual_seed(0)
     plain = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 2)).to(torch.bfloat16)
-    wrapped = td.wrap(plain, "ddp")
+    wrapped = td.wrap(plain, "ddp", reduce_dtype=torch.float32)
     x = torch.randn(5, 8, dtype=torch.bfloat16)
     wrapped(x).float().square().sum().backward()
     grads = [p.grad.clone() for p in wrapped.parameters()]
@@ -83,12 +94,12 @@ def test_bf16_gradients_are_reduced_in_fp32(group_of_one) -> None:
         torch.testing.assert_close(g, r)  # a group of one: the widened all-reduce is exact
 
 
-def test_fsdp_shards_repeated_blocks_and_reduces_in_fp32(group_of_one) -> None:
+def test_fsdp_shards_repeated_blocks(group_of_one) -> None:
     from torch.distributed.fsdp import FSDPModule
 
     model, tokens = step_worker.build()
     model.to(torch.bfloat16)
-    wrapped = td.wrap(model, "fsdp")
+    wrapped = td.wrap(model, "fsdp", reduce_dtype="float32")
     sharded = [name for name, m in wrapped.named_modules() if isinstance(m, FSDPModule)]
     assert sharded == ["", "model.layers.0", "model.layers.1"]
     policy = wrapped.model.layers[0]._get_fsdp_state()._mp_policy

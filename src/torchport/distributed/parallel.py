@@ -26,16 +26,19 @@ def wrap(model: nn.Module, strategy: str = "ddp", *, device: DeviceLike = None,
     Starts the process group (:func:`torchport.distributed.init`) if that has not been done, moves the model to
     this rank's device, and wraps it.
 
-    * ``"ddp"``: ``DistributedDataParallel`` with ``device_ids`` set on accelerators. Gradients of bfloat16 or
-      float16 parameters are all-reduced in float32 (then cast back), because summing many ranks' gradients in
-      8 mantissa bits loses the small ones; ``reduce_dtype=None`` reduces in the parameters' dtype instead
-      (half the bytes on the wire).
+    * ``"ddp"``: ``DistributedDataParallel`` with ``device_ids`` set on accelerators and the gradients kept in
+      its communication buckets (``gradient_as_bucket_view=True``, which the options can turn off).
     * ``"fsdp"``: FSDP2 (``fully_shard``) on a one-dimensional device mesh over all ranks: each repeated block
       (the members of an ``nn.ModuleList`` of modules of one class, such as a transformer's layers) is sharded
       on its own, then the whole model. Parameters, gradients and optimizer states are split across ranks.
       With float32 parameters on an accelerator, ``mixed_precision="auto"`` computes in the device's preferred
-      reduced dtype (:func:`torchport.dtype`) and keeps float32 master weights; gradients are reduce-scattered
-      in float32 whenever the compute dtype is a reduced one.
+      reduced dtype (:func:`torchport.dtype`) and keeps float32 master weights.
+
+    Gradient reduction: with more than two ranks, bfloat16 and float16 gradients are summed in float32 (then cast
+    back), because a ring reduction rounds every partial sum to 8 (or 11) mantissa bits and the error grows with
+    the number of ranks. With two ranks a reduced-precision sum rounds once, exactly as casting a float32 sum back
+    does, so the gradients are reduced in their own dtype: half the bytes on the wire (on two H200s, DDP scaled
+    1.84x this way against 1.70x with a float32 reduction; ``benchmarks/RESULTS.md``).
 
     torchport kernels keep working inside: with FSDP, a block's weights are gathered into ordinary tensors
     before its forward and backward run, so the kernels see the same tensors as without it.
@@ -47,7 +50,7 @@ def wrap(model: nn.Module, strategy: str = "ddp", *, device: DeviceLike = None,
         mixed_precision: FSDP's compute dtype: ``"auto"`` (above), ``None`` (the parameters' own dtype) or a
             dtype such as ``torch.bfloat16``. DDP does not cast parameters: use ``torch.autocast`` with it.
         reduce_dtype: the dtype gradients are reduced in: ``"auto"`` (float32 when computing in a reduced
-            dtype), ``None`` (the compute dtype) or a dtype.
+            dtype on more than two ranks, as above), ``None`` (the compute dtype) or a dtype.
         layers: for FSDP, the submodules to shard one by one: module classes, class names or module instances
             (default: found as above).
         options: passed to ``DistributedDataParallel`` (``find_unused_parameters``, ``bucket_cap_mb``...) or to
@@ -115,9 +118,10 @@ def _compute_dtype(mixed_precision: torch.dtype | str | None, param_dtype: torch
     return param_dtype if chosen is None else chosen
 
 
-def _reduce_dtype(reduce_dtype: torch.dtype | str | None, compute: torch.dtype) -> torch.dtype | None:
+def _reduce_dtype(reduce_dtype: torch.dtype | str | None, compute: torch.dtype, world: int) -> torch.dtype | None:
     if reduce_dtype == "auto":
-        return torch.float32 if compute in _REDUCED else None
+        # two ranks: one rounding of the sum either way; more: a rounding per partial sum of the ring
+        return torch.float32 if compute in _REDUCED and world > 2 else None
     return _as_dtype(reduce_dtype, "reduce_dtype")
 
 
@@ -135,13 +139,15 @@ def _wrap_ddp(model: nn.Module, device: torch.device, param_dtype: torch.dtype, 
     _check_options(DistributedDataParallel.__init__, options, ("module", "device_ids", "output_device"),
                    "DistributedDataParallel")
     on_accelerator = device.index is not None
+    # gradients live in the communication buckets: no copy into them each step, and one gradient's memory less
+    options = {"gradient_as_bucket_view": True, **options}
     wrapped = DistributedDataParallel(
         model,
         device_ids=[device.index] if on_accelerator else None,
         output_device=device.index if on_accelerator else None,
         **options,
     )
-    wide = _reduce_dtype(reduce_dtype, param_dtype)
+    wide = _reduce_dtype(reduce_dtype, param_dtype, dist.get_world_size())
     if wide is not None and wide != param_dtype:
         wrapped.register_comm_hook(_ReduceIn(wide, options.get("process_group")), _all_reduce_widened)
     return wrapped
@@ -212,7 +218,7 @@ def _wrap_fsdp(model: nn.Module, device: torch.device, param_dtype: torch.dtype,
     _check_options(fully_shard, options, ("module", "mesh", "mp_policy"), "fully_shard")
     policy = MixedPrecisionPolicy(
         param_dtype=None if compute == param_dtype else compute,
-        reduce_dtype=_reduce_dtype(reduce_dtype, compute),
+        reduce_dtype=_reduce_dtype(reduce_dtype, compute, dist.get_world_size()),
     )
     mesh = init_device_mesh(device.type, (dist.get_world_size(),))
     for block in _chosen_layers(model, layers):
