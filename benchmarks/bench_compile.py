@@ -32,7 +32,13 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
 
-CONTENDERS = ("eager", "inductor", "torchport", "patched")
+CONTENDERS = ("eager", "inductor", "torchport", "patched", "torchport-no-fusion", "torchport-ce-only")
+# the torchport backend with some of its kernel-fusion passes switched off, to see what each contributes
+_FUSIONS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy")
+_VARIANTS = {
+    "torchport-no-fusion": {name: False for name in _FUSIONS},
+    "torchport-ce-only": {name: False for name in _FUSIONS if name != "cross_entropy"},
+}
 FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
             num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048)
 SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
@@ -59,6 +65,8 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
         forward = torch.compile(model)
     elif name == "torchport":
         forward = torch.compile(model, backend="torchport")
+    elif name in _VARIANTS:
+        forward = torch.compile(model, backend="torchport", options={"passes": _VARIANTS[name]})
     elif name == "patched":
         torchport.patch(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -95,10 +103,10 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
     peak = backend.memory_stats(index).get("peak_allocated") if device.type != "cpu" else None
     median = statistics.median(times)
     explained = None
-    if name == "torchport":
+    if name.startswith("torchport"):
         from torchport.compile import passes
 
-        explained = [p.name for p in passes.list_passes()]
+        explained = [p.name for p in passes.list_passes() if _VARIANTS.get(name, {}).get(p.name, True)]
     return {
         "contender": name,
         "device": str(device),
@@ -118,7 +126,7 @@ def main() -> None:
     parser.add_argument("--device", help="device (default: torchport.device())")
     parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS[:4]), help=f"subset of {','.join(CONTENDERS)}")
     parser.add_argument("--json", default=os.path.join(HERE, "results", "compile.json"))
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one contender in this process, print JSON
     args = parser.parse_args()

@@ -153,3 +153,21 @@ def test_compile_log_lines(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Captu
         torch.compile(model, backend="torchport", options={"compiler": "eager"})(torch.randn(2, 24))
     err = capsys.readouterr().err
     assert "[torchport.compile] graph of" in err and "compiled with eager" in err
+
+
+def test_kernel_fusions_are_left_to_inductor_unless_asked() -> None:
+    model = Block()
+    x = torch.randn(2, 5, 24)
+    with torch.no_grad():
+        before_inductor = torchport.compile.explain(model, x, options={"compiler": "inductor"}).graphs[0]
+        before_eager = torchport.compile.explain(model, x, options={"compiler": "eager"}).graphs[0]
+        asked = torchport.compile.explain(
+            model, x, options={"compiler": "inductor", "passes": {"rms_norm": True, "swiglu": True}}).graphs[0]
+    ran = lambda graph: {r.name for r in graph.passes}  # noqa: E731
+    fusions = {p.name for p in torchport.compile.passes.list_passes() if p.fusion}
+    assert fusions == {"rms_norm", "swiglu", "geglu", "rope", "cross_entropy"}
+    assert not ran(before_inductor) & fusions
+    assert {"rms_norm", "swiglu"} <= ran(before_eager)
+    assert any("torchport::rms_norm" in line for line in before_eager.changes())
+    assert {"rms_norm", "swiglu"} <= ran(asked) and "rope" not in ran(asked)
+    assert any("torchport::swiglu" in line for line in asked.changes())

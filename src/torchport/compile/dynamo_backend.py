@@ -7,7 +7,9 @@ graph dynamo captures, the backend
 1. finds the graph's device (that of its tensor inputs) and whether gradients will flow through it;
 2. runs the passes of :mod:`torchport.compile.passes` in order (fused torchport kernels for plain-PyTorch RMSNorm,
    SwiGLU, GeGLU, RoPE and cross-entropy; conv + batch-norm folding in eval mode; addmm; dead code; constant
-   folding; channels-last where the device prefers it);
+   folding; channels-last where the device prefers it). The kernel-fusion passes are left out before Inductor,
+   which fuses those subgraphs itself and measured faster so; ``options={"passes": {"rms_norm": True}}`` runs
+   one anyway;
 3. hands the rewritten graph to the device's compiler: Inductor on CUDA, XPU and CPU, TorchAir (or torch_npu's
    own backend) on Ascend, or runs it as it is elsewhere. Training graphs go through the same path: Inductor
    and TorchAir differentiate them with AOTAutograd; the eager path uses PyTorch's autograd.
@@ -201,11 +203,11 @@ def _compile(name: str, compiler: Callable[..., Any], gm: torch.fx.GraphModule, 
 def _prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: dict[str, Any],
              index: int) -> tuple[torch.fx.GraphModule, GraphReport]:
     device = _graph_device(gm, example_inputs)
+    name = opts["compiler"] if opts["compiler"] != "auto" else get_backend(device.type).dynamo_compiler()[0]
     ctx = PassContext(device=device, training=_training(example_inputs), example_inputs=tuple(example_inputs),
-                      options=opts)
+                      options=opts, compiler=name)
     nodes_before = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
     gm, records = run_passes(gm, ctx, opts["passes"])
-    name = opts["compiler"] if opts["compiler"] != "auto" else get_backend(device.type).dynamo_compiler()[0]
     report = GraphReport(index, str(device), ctx.training, name, nodes_before,
                          sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")), records)
     return gm, report

@@ -86,7 +86,7 @@ def _is_size(arg: Any) -> bool:
     return isinstance(arg, (int, torch.SymInt, Node)) and not isinstance(arg, bool)
 
 
-@register_pass("cross_entropy", order=240, training=True)
+@register_pass("cross_entropy", order=240, training=True, fusion=True)
 def cross_entropy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``F.cross_entropy(logits, target, ...)`` on ``[N, V]`` logits -> one ``torchport::cross_entropy``.
 

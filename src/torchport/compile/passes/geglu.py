@@ -87,7 +87,7 @@ def _gelu_formula(node: Node) -> tuple[Node, list[Node]] | None:
     return None
 
 
-@register_pass("geglu", order=221, training=True)
+@register_pass("geglu", order=221, training=True, fusion=True)
 def geglu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``gelu_tanh(gate) * up`` -> one ``torchport::geglu`` (the fused kernel on CUDA).
 

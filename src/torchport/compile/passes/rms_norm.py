@@ -177,7 +177,7 @@ def _erase_dead(graph: torch.fx.Graph, nodes: list[Node]) -> set[Node]:
     return erased
 
 
-@register_pass("rms_norm", order=210, training=True)
+@register_pass("rms_norm", order=210, training=True, fusion=True)
 def rms_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """Plain-PyTorch RMSNorm -> one ``torchport::rms_norm`` (the fused kernel on CUDA and Ascend).
 

@@ -150,7 +150,7 @@ def _fits(q: _Rotation, k: _Rotation) -> bool:
     return True
 
 
-@register_pass("rope", order=230, training=True)
+@register_pass("rope", order=230, training=True, fusion=True)
 def rope(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``apply_rotary_pos_emb`` on q and k -> one ``torchport::rope`` (q and k in one kernel on CUDA, the fused
     operator on Ascend).

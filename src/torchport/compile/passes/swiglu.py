@@ -110,7 +110,7 @@ def fuse_gated(gm: torch.fx.GraphModule, activation: ActivationMatch, op: Any) -
     return count
 
 
-@register_pass("swiglu", order=220, training=True)
+@register_pass("swiglu", order=220, training=True, fusion=True)
 def swiglu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``silu(gate) * up`` -> one ``torchport::swiglu`` (the fused kernel on CUDA and Ascend).
 
