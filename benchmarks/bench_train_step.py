@@ -14,119 +14,35 @@ Results: a table on stdout and ``results/train_step.json`` (``--json``).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import statistics
-import subprocess
 import sys
-import time
 from typing import Any
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import llama_step  # noqa: E402
 
 CONTENDERS = ("eager", "liger", "torchport")
-FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
-            num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048)
-SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
-             num_key_value_heads=2, vocab_size=1000, batch=2, seq=32)
 
 
 def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int) -> dict[str, Any]:
     """Build, patch, train ``warmup + steps`` steps, and measure; runs in its own process."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     import torchport
 
-    device = torch.device(device_spec) if device_spec else torchport.device()
-    dims = {k: v for k, v in shape.items() if k not in ("batch", "seq")}
-    config = LlamaConfig(**dims, max_position_embeddings=max(4096, shape["seq"]), tie_word_embeddings=False)
-    config._attn_implementation = "sdpa"
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model, device = llama_step.build(shape, device_spec)
     if name == "liger":
         from liger_kernel.transformers import _apply_liger_kernel_to_instance
 
         _apply_liger_kernel_to_instance(model=model)
     elif name == "torchport":
         torchport.patch(model)
-    model.train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    gen = torch.Generator().manual_seed(1)
-    batches = [torch.randint(0, config.vocab_size, (shape["batch"], shape["seq"]), generator=gen).to(device)
-               for _ in range(warmup + steps)]
-    losses: list[float] = []
-
-    def step(tokens: torch.Tensor) -> torch.Tensor:
-        loss = model(input_ids=tokens, labels=tokens).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
-
-    for tokens in batches[:warmup]:
-        losses.append(float(step(tokens)))
-    torchport.synchronize(device)
-    backend = torchport.backends.get_backend(device.type)
-    index = device.index or 0
-    if device.type != "cpu":
-        backend.reset_peak_memory_stats(index)
-    times = []
-    pending = []
-    start = time.perf_counter()
-    for tokens in batches[warmup:]:
-        pending.append(step(tokens))
-        torchport.synchronize(device)
-        now = time.perf_counter()
-        times.append(now - start)
-        start = now
-    losses += [float(t) for t in pending]
-    peak = backend.memory_stats(index).get("peak_allocated") if device.type != "cpu" else None
-    tokens_per_step = shape["batch"] * shape["seq"]
-    return {
-        "contender": name,
-        "device": str(device),
-        "median_step_ms": statistics.median(times) * 1e3,
-        "tokens_per_s": tokens_per_step / statistics.median(times),
-        "peak_gib": None if peak is None else peak / 2**30,
-        "losses": losses,
-    }
+    return {"contender": name, **llama_step.measure(model, model, shape, device, steps, warmup)}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--small", action="store_true", help="a tiny model, for a quick smoke run")
-    parser.add_argument("--device", help="device (default: torchport.device())")
-    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
-    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first (default 3)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
-    parser.add_argument("--json", default=os.path.join(HERE, "results", "train_step.json"))
-    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one contender in this process, print JSON
-    args = parser.parse_args()
-    shape = SMALL if args.small else FULL
-    if args.one:
-        print("RESULT " + json.dumps(run_one(args.one, shape, args.device, args.steps, args.warmup)))
+    ran = llama_step.main(__doc__, CONTENDERS, CONTENDERS, "train_step.json", run_one)
+    if ran is None:
         return
-    wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
-    unknown = sorted(set(wanted) - set(CONTENDERS))
-    if unknown:
-        parser.error(f"--contenders: unknown {unknown}; valid: {', '.join(CONTENDERS)}")
-    rows = []
-    for name in wanted:
-        cmd = [sys.executable, os.path.abspath(__file__), "--one", name, "--steps", str(args.steps),
-               "--warmup", str(args.warmup)] + (["--small"] if args.small else []) + \
-              (["--device", args.device] if args.device else [])
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
-        if done.returncode or not found:
-            tail = (done.stderr or done.stdout).strip().splitlines()[-1:] or ["no output"]
-            rows.append({"contender": name, "error": tail[0][:300]})
-            print(f"{name}: error: {tail[0][:300]}")
-            continue
-        rows.append(json.loads(found[-1][len("RESULT "):]))
+    args, shape, rows = ran
     ok = {r["contender"]: r for r in rows if "error" not in r}
     print(f"\nLlama-shaped train step, batch {shape['batch']} x {shape['seq']}, {shape['num_hidden_layers']} layers, "
           f"hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, bf16, AdamW")
@@ -147,10 +63,7 @@ def main() -> None:
         if tp["peak_gib"] is not None and lg["peak_gib"] is not None:
             over = tp["peak_gib"] - lg["peak_gib"]
             print(f"target peak ≤ liger: {'met' if over <= 0 else f'missed by {over:.2f} GiB'}")
-    os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
-    with open(args.json, "w", encoding="utf-8") as f:
-        json.dump({"shape": shape, "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=2)
-    print(f"wrote {args.json}")
+    llama_step.write(args.json, shape, args, rows)
 
 
 if __name__ == "__main__":

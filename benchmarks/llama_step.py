@@ -1,0 +1,157 @@
+"""The Llama-shaped train step shared by ``bench_train_step.py`` and ``bench_compile.py``.
+
+Model (``../shared/BENCHMARKS.md``): hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 kv heads, vocab 128256,
+bf16 weights, SDPA attention, AdamW; batch 4 x 2048 tokens, labels = inputs. Each contender runs in its own
+process (patching and compiling change transformers' modules and dynamo's caches), from the same seed and data:
+:func:`build` makes the model, :func:`measure` times ``warmup`` untimed then ``steps`` timed steps, and
+:func:`run_contenders` starts one process per contender and collects what each printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "src"))
+
+FULL = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+            num_key_value_heads=8, vocab_size=128256, batch=4, seq=2048)
+SMALL = dict(hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=1000, batch=2, seq=32)
+
+
+def build(shape: dict[str, int], device_spec: str | None) -> tuple[Any, Any]:
+    """The bf16 Llama model of ``shape`` on the device (default: ``torchport.device()``), seeded; and the device."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import torchport
+
+    device = torch.device(device_spec) if device_spec else torchport.device()
+    dims = {k: v for k, v in shape.items() if k not in ("batch", "seq")}
+    config = LlamaConfig(**dims, max_position_embeddings=max(4096, shape["seq"]), tie_word_embeddings=False)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model.train()
+    return model, device
+
+
+def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], device: Any, steps: int,
+            warmup: int) -> dict[str, Any]:
+    """Train ``warmup + steps`` AdamW steps through ``forward``; tokens/s and peak memory over the timed ones."""
+    import torch
+
+    import torchport
+    import torchport.backends
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    gen = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    batches = [torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=gen).to(device)
+               for _ in range(warmup + steps)]
+
+    def step(tokens: torch.Tensor) -> torch.Tensor:
+        loss = forward(input_ids=tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, warm_times = [], []
+    for tokens in batches[:warmup]:
+        start = time.perf_counter()
+        losses.append(float(step(tokens)))
+        warm_times.append(time.perf_counter() - start)
+    torchport.synchronize(device)
+    backend = torchport.backends.get_backend(device.type)
+    index = device.index or 0
+    if device.type != "cpu":
+        backend.reset_peak_memory_stats(index)
+    times, pending = [], []
+    start = time.perf_counter()
+    for tokens in batches[warmup:]:
+        pending.append(step(tokens))
+        torchport.synchronize(device)
+        now = time.perf_counter()
+        times.append(now - start)
+        start = now
+    losses += [float(t) for t in pending]
+    peak = backend.memory_stats(index).get("peak_allocated") if device.type != "cpu" else None
+    median = statistics.median(times)
+    return {
+        "device": str(device),
+        "device_name": backend.device_name(index),
+        "median_step_ms": median * 1e3,
+        "tokens_per_s": shape["batch"] * shape["seq"] / median,
+        "peak_gib": None if peak is None else peak / 2**30,
+        "first_step_s": warm_times[0] if warm_times else None,
+        "losses": losses,
+    }
+
+
+def run_contenders(script: str, names: Sequence[str], extra: Sequence[str]) -> list[dict[str, Any]]:
+    """Run ``script --one NAME *extra`` for each name in its own process; the JSON each printed after
+    ``RESULT ``, or ``{"contender": name, "error": ...}``."""
+    rows = []
+    for name in names:
+        done = subprocess.run([sys.executable, os.path.abspath(script), "--one", name, *extra],
+                              capture_output=True, text=True)
+        found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        if done.returncode or not found:
+            tail = (done.stderr or done.stdout).strip().splitlines()[-3:] or ["no output"]
+            rows.append({"contender": name, "error": " | ".join(tail)[:600]})
+            print(f"{name}: error: {rows[-1]['error']}", flush=True)
+            continue
+        rows.append(json.loads(found[-1][len("RESULT "):]))
+        print(f"{name}: {rows[-1]['tokens_per_s']:.0f} tokens/s", flush=True)
+    return rows
+
+
+def report_one(result: dict[str, Any]) -> None:
+    """Print a contender's result for :func:`run_contenders` to collect."""
+    print("RESULT " + json.dumps(result))
+
+
+def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name: str,
+         run_one: Callable[[str, dict[str, int], str | None, int, int], dict[str, Any]]
+         ) -> tuple[argparse.Namespace, dict[str, int], list[dict[str, Any]]] | None:
+    """The command line both benchmarks share: parse it; with ``--one NAME`` (a child process) run that contender
+    and return None; otherwise run the chosen contenders, one process each, and return the arguments, the shape
+    and the rows."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--small", action="store_true", help="a tiny model, for a quick smoke run")
+    parser.add_argument("--device", help="device (default: torchport.device())")
+    parser.add_argument("--steps", type=int, default=10, help="timed steps (default 10)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
+    parser.add_argument("--contenders", default=",".join(default), help=f"subset of {','.join(contenders)}")
+    parser.add_argument("--json", default=os.path.join(HERE, "results", json_name))
+    parser.add_argument("--one", help=argparse.SUPPRESS)  # run one contender in this process, print JSON
+    args = parser.parse_args()
+    shape = SMALL if args.small else FULL
+    if args.one:
+        report_one(run_one(args.one, shape, args.device, args.steps, args.warmup))
+        return None
+    wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
+    unknown = sorted(set(wanted) - set(contenders))
+    if unknown:
+        parser.error(f"--contenders: unknown {unknown}; valid: {', '.join(contenders)}")
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else []) + \
+        (["--device", args.device] if args.device else [])
+    return args, shape, run_contenders(sys.argv[0], wanted, extra)
+
+
+def write(path: str, shape: dict[str, int], args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"shape": shape, "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=2)
+    print(f"wrote {path}")
