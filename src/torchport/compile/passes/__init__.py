@@ -165,7 +165,8 @@ def _ensure_loaded() -> None:
         _loaded = True
     # every module of this package is one pass: adding a pass is adding a file
     for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        importlib.import_module(f"{__name__}.{info.name}")
+        if not info.name.startswith("_"):  # private helpers (_graph) register nothing
+            importlib.import_module(f"{__name__}.{info.name}")
 
 
 def list_passes() -> list[Pass]:

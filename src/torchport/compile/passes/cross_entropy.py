@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
+from ._graph import value as _value
 
 __all__ = ["cross_entropy"]
 
@@ -21,9 +22,6 @@ _REDUCTIONS = ("mean", "sum", "none")
 _RESHAPES = ("view", "reshape")
 
 
-def _value(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
 def _arguments(node: Node) -> dict[str, Any] | None:

@@ -10,24 +10,17 @@ import torch.fx
 
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
+from ._graph import calls as _calls
+from ._graph import same_shape as _same_shape
+from ._graph import value as _value
 
 __all__ = ["rms_norm"]
 
 Node = torch.fx.Node
 
 
-def _value(node: Any) -> torch.Tensor | None:
-    """The example tensor dynamo recorded for ``node``, if any."""
-    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
-def _calls(node: Any, *targets: Any, method: str | None = None) -> bool:
-    """``node`` calls one of ``targets`` (functions) or the tensor method ``method``."""
-    if not isinstance(node, Node):
-        return False
-    return (node.op == "call_function" and node.target in targets) or (node.op == "call_method"
-                                                                       and node.target == method)
 
 
 def _binary(node: Any, op: Any) -> bool:
@@ -53,12 +46,6 @@ def _other(node: Node, one: Any) -> Any:
     return b if a is one else a
 
 
-def _same_shape(a: Any, b: Any) -> bool:
-    """Two shapes known to be equal; symbolic sizes (``dynamic=True``) only when provably so, adding no guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return len(a) == len(b) and all(x == y if isinstance(x, int) and isinstance(y, int) else
-                                    statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _single_user(node: Node) -> Node | None:

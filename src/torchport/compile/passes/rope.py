@@ -12,6 +12,9 @@ import torch.fx
 
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
+from ._graph import calls as _calls
+from ._graph import same_shape as _same_shape
+from ._graph import value as _value
 
 __all__ = ["rope"]
 
@@ -37,16 +40,8 @@ class _Rotation:
         return self.sin_u.args[0]
 
 
-def _value(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
-def _calls(node: Any, *targets: Any, method: str | None = None) -> bool:
-    if not isinstance(node, Node):
-        return False
-    return (node.op == "call_function" and node.target in targets) or (node.op == "call_method"
-                                                                       and node.target == method)
 
 
 def _binary(node: Any, *targets: Any) -> bool:
@@ -117,12 +112,6 @@ def _match(add: Node) -> _Rotation | None:
     return None
 
 
-def _same_shape(a: Any, b: Any) -> bool:
-    """Two shapes known to be equal; symbolic sizes (``dynamic=True``) only when provably so, adding no guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return len(a) == len(b) and all(x == y if isinstance(x, int) and isinstance(y, int) else
-                                    statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _fits(q: _Rotation, k: _Rotation) -> bool:

@@ -17,6 +17,8 @@ from torch import nn
 
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
+from ._graph import same_shape as _same_shape
+from ._graph import value as _value
 
 __all__ = ["ActivationMatch", "fuse_gated", "swiglu"]
 
@@ -28,17 +30,8 @@ ActivationMatch = Callable[[torch.fx.GraphModule, Node], "tuple[Node, list[Node]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
 
-def _value(node: Any) -> torch.Tensor | None:
-    value = node.meta.get("val", node.meta.get("example_value")) if isinstance(node, Node) else None
-    return value if isinstance(value, torch.Tensor) else None
 
 
-def _same_shape(a: Any, b: Any) -> bool:
-    """Two shapes known to be equal; symbolic sizes (``dynamic=True``) only when provably so, adding no guard."""
-    from torch.fx.experimental.symbolic_shapes import statically_known_true
-
-    return len(a) == len(b) and all(x == y if isinstance(x, int) and isinstance(y, int) else
-                                    statically_known_true(x == y) for x, y in zip(a, b))
 
 
 def _module(gm: torch.fx.GraphModule, node: Node) -> nn.Module | None:
