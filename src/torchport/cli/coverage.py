@@ -6,7 +6,7 @@ import argparse
 import json
 import sys
 
-from .verify import DTYPES, cast, load_factory, read_input, usage_error
+from .verify import DTYPES, build_target, load_factory, usage_error
 
 __all__ = ["HELP", "add_arguments", "handle"]
 
@@ -41,15 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def handle(args: argparse.Namespace) -> int:
     """Load the target, record, print; 0 when nothing is missing, 1 when something is or the model fails to run."""
     from ..compile.op_coverage import coverage
-    from ..verify import TargetError, unpack
 
-    factory = load_factory(args.target)
-    override = read_input(args.input) if args.input is not None else None
-    try:
-        model, inputs = unpack(factory(), f"TARGET {args.target}")
-    except TargetError as exc:
-        raise usage_error(str(exc)) from exc
-    model, inputs = cast(model, override if override is not None else inputs, args.dtype)
+    model, inputs = build_target(load_factory(args.target), args.target, args.input, args.dtype)
     try:
         report = coverage(model, inputs, args.device, backward=args.backward)
     except ValueError as exc:  # not a device type, or no way to tell what it runs

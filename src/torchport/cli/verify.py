@@ -148,23 +148,31 @@ def cast(model: Any, inputs: Any, dtype_name: str | None) -> tuple[Any, Any]:
     return model.to(dtype), map_tensors(lambda t: t.to(dtype) if t.is_floating_point() else t, inputs)
 
 
+def build_target(factory: Callable[..., Any], target: str, input_spec: str | None,
+                 dtype_name: str | None) -> tuple[Any, Any]:
+    """The factory's model and inputs (or ``--input``'s), cast to ``--dtype``; a bad return is a usage error."""
+    from ..verify import TargetError, unpack
+
+    override = read_input(input_spec) if input_spec is not None else None
+    try:
+        model, inputs = unpack(factory(), f"TARGET {target}")
+    except TargetError as exc:
+        raise usage_error(str(exc)) from exc
+    return cast(model, override if override is not None else inputs, dtype_name)
+
+
 def handle(args: argparse.Namespace) -> int:
     """Load the target, compare, print the table; 0 when it matches, 1 when it diverges or fails to run."""
     import torch
 
-    from ..verify import ModelError, StructureError, TargetError, compare, unpack
+    from ..verify import ModelError, StructureError, compare
 
     check_output(args.json, "--json")
     check_output(args.plot, "--plot")
     factory = load_factory(args.target)
     check_device(args.device, "--device")
     check_device(args.reference, "--reference")
-    override = read_input(args.input) if args.input is not None else None
-    try:
-        model, inputs = unpack(factory(), f"TARGET {args.target}")
-    except TargetError as exc:
-        raise usage_error(str(exc)) from exc
-    model, inputs = cast(model, override if override is not None else inputs, args.dtype)
+    model, inputs = build_target(factory, args.target, args.input, args.dtype)
     try:
         report = compare(model, inputs, device=args.device, reference=args.reference,
                          reference_dtype=getattr(torch, args.reference_dtype), rtol=args.rtol, atol=args.atol,
