@@ -18,7 +18,7 @@ import torch
 
 from ...backends import get_backend
 
-__all__ = ["multiprocessor_count", "next_power_of_2", "rows_view"]
+__all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "rows_view"]
 
 
 @functools.lru_cache(maxsize=None)
@@ -33,6 +33,12 @@ def _multiprocessor_count(device_type: str, index: int) -> int:
 def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids; 8 when unknown."""
     return _multiprocessor_count(device.type, device.index or 0)
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for launch grids: plain integer arithmetic (``triton.cdiv`` is a constexpr-function wrapper
+    that costs microseconds per host call in Triton 3.6, on kernels whose launches are host-bound)."""
+    return -(-a // b)
 
 
 def next_power_of_2(n: int) -> int:

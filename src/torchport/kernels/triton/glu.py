@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import autotune, next_power_of_2
+from . import autotune, cdiv, next_power_of_2
 
 __all__ = ["glu"]
 
@@ -136,7 +136,7 @@ _TUNED = {
 def _grid(config: autotune.Config, m: int, n: int) -> tuple[tuple[int], int, int]:
     block_n = min(config["BLOCK"], next_power_of_2(n))
     block_m = max(1, config["BLOCK"] // block_n)
-    return (triton.cdiv(m, block_m) * triton.cdiv(n, block_n),), block_m, block_n
+    return (cdiv(m, block_m) * cdiv(n, block_n),), block_m, block_n
 
 
 def _launch_forward(config: autotune.Config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gelu: bool) -> None:

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import autotune, multiprocessor_count, next_power_of_2, rows_view
+from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 
 __all__ = ["MAX_FUSED", "layer_norm", "rms_norm"]
 
@@ -288,7 +288,7 @@ def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.T
             mean if mean is not None else rstd, rstd)
     if n <= MAX_FUSED:
         block_m = config["BLOCK_M"]
-        _fwd_kernel[(triton.cdiv(m, block_m),)](
+        _fwd_kernel[(cdiv(m, block_m),)](
             *args, m, n, rows.stride(0), n, eps, offset,
             **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"],
         )
@@ -323,7 +323,7 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     m, n = rows.shape
     fused = n <= MAX_FUSED
     block_m = config["BLOCK_M"] if fused else 1
-    programs = min(triton.cdiv(m, block_m), multiprocessor_count(rows.device) * config["per_sm"])
+    programs = min(cdiv(m, block_m), multiprocessor_count(rows.device) * config["per_sm"])
     alloc = torch.empty if fused else torch.zeros
     dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else rstd
     db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd

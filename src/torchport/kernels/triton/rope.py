@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import autotune, next_power_of_2
+from . import autotune, cdiv, next_power_of_2
 
 __all__ = ["rope"]
 
@@ -129,7 +129,7 @@ def _launch_kernel(config: autotune.Config, q: torch.Tensor, k: torch.Tensor, co
     block_s = max(1, min(config["BLOCK_S"], next_power_of_2(seq), 4096 // block_d))
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     s_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _rope_kernel[(batch * triton.cdiv(seq, block_s),)](
+    _rope_kernel[(batch * cdiv(seq, block_s),)](
         q, k, cos, sin, q_out, k_out, seq, heads_q, k.shape[1], half,
         *(q.stride(i) for i in range(3)), *(k.stride(i) for i in range(3)),
         *(q_out.stride(i) for i in range(3)), *(k_out.stride(i) for i in range(3)),
