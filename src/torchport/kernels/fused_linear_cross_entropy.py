@@ -477,6 +477,9 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
     return total.to(dtype)
 
 
+# On Ascend the same two passes serve as the "npu" implementation (there is no fused operator to call; module
+# docstring), so that TORCHPORT_KERNELS=npu also covers this op.
+@registry.register_kernel("fused_linear_cross_entropy", "npu", devices=["npu"], priority=15)
 @registry.register_kernel("fused_linear_cross_entropy", "chunked", priority=10)
 def _fused_linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
                                         bias: torch.Tensor | None = None, ignore_index: int = -100,
@@ -484,18 +487,6 @@ def _fused_linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tens
                                         divisor: float | None = None, n_valid: int | None = None,
                                         z_loss: float = 0.0, softcap: float | None = None,
                                         loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return _two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                     z_loss, softcap, loss_dtype, _TORCH_MATH)
-
-
-@registry.register_kernel("fused_linear_cross_entropy", "npu", devices=["npu"], priority=15)
-def _fused_linear_cross_entropy_npu(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
-                                    bias: torch.Tensor | None = None, ignore_index: int = -100,
-                                    label_smoothing: float = 0.0, reduction: str = "mean",
-                                    divisor: float | None = None, n_valid: int | None = None,
-                                    z_loss: float = 0.0, softcap: float | None = None,
-                                    loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    # The two passes with the per-slice math in PyTorch: there is no fused operator to call (module docstring).
     return _two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
                      z_loss, softcap, loss_dtype, _TORCH_MATH)
 

@@ -17,7 +17,6 @@ Example:
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import contextvars
 import dataclasses
@@ -268,14 +267,3 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, enabled: dict[str, bo
             if record.changed or record.error:
                 _logging.log("compile", "%s", record.describe())
     return gm, records
-
-
-def op_counts(gm: torch.fx.GraphModule) -> collections.Counter[str]:
-    """How many nodes call each target, e.g. ``{"torch.rsqrt": 16, ...}`` (a helper for tests and ``explain``)."""
-    counts: collections.Counter[str] = collections.Counter()
-    for node in gm.graph.nodes:
-        if node.op in ("call_function", "call_method", "call_module"):
-            target = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", str(node.target))
-            module = getattr(node.target, "__module__", None) if not isinstance(node.target, str) else None
-            counts[f"{module}.{target}" if module and node.op == "call_function" else str(target)] += 1
-    return counts
