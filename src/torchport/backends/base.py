@@ -203,6 +203,25 @@ class Backend:
         as it is (eager)."""
         return "eager", None
 
+    # -- attention and float32 matmuls -----------------------------------------------------------------------------
+    def attention_implementation(self, index: int) -> str:
+        """The Hugging Face ``attn_implementation`` that computes attention best on device ``index`` (what
+        :func:`torchport.attention.best` answers). Here: ``"sdpa"``, PyTorch's ``scaled_dot_product_attention``,
+        which picks the device's fused kernels itself."""
+        return "sdpa"
+
+    def enable_tf32(self, index: int) -> dict[str, Any] | None:
+        """Let float32 matmuls and convolutions on this device type run in TensorFloat-32 (inputs rounded to a
+        10-bit mantissa, float32 accumulation). Returns the previous values of the switches it set (``{name:
+        value}``, for :meth:`restore_tf32`), or None where the device has no TF32 and nothing was changed.
+        Here: None."""
+        return None
+
+    def restore_tf32(self, previous: dict[str, Any]) -> None:
+        """Put back the switches :meth:`enable_tf32` set, with the values it returned."""
+        if previous:
+            raise ValueError(f"the {self.name} backend sets no TF32 switches; got {', '.join(previous)}")
+
     def preferred_conv_memory_format(self, index: int) -> torch.memory_format:
         """The memory format in which this device's convolutions run fastest: ``torch.channels_last`` where its
         convolution library computes in NHWC (so that NCHW tensors cost a transpose per convolution), else

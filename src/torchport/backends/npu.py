@@ -92,6 +92,14 @@ class NpuBackend(Backend):
             return None
         return getattr(importlib.import_module("torch_npu"), name, None)
 
+    def attention_implementation(self, index: int) -> str:
+        # torch_npu's npu_fusion_attention (FlashAttentionScore), registered with transformers by
+        # torchport.attention: grouped-query attention without copying key/value heads, and causal attention
+        # through the compressed mask (sparse_mode), which skips masked blocks. flash-attn does not install on
+        # Ascend; SDPA on torch_npu reaches FlashAttentionScore too, but transformers repeats the key/value heads
+        # before it whenever there is a mask.
+        return "npu_fusion_attention" if self.fused_op("npu_fusion_attention") is not None else "sdpa"
+
     def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
         # TorchAir (shipped with torch_npu) compiles graphs for the Ascend graph engine; without it, torch_npu's
         # own dynamo backend "npu" where this release registers one; otherwise the graph runs op by op.
