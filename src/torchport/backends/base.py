@@ -154,6 +154,11 @@ class Backend:
     def empty_cache(self) -> None:
         self.module().empty_cache()
 
+    def utilization(self, index: int) -> float | None:
+        """Percent of the last sample period in which the device ran work, or None where the device (or the
+        software installed for it) does not report it. Here: None."""
+        return None
+
     # -- execution -----------------------------------------------------------------------------------------------
     def synchronize(self, index: int) -> None:
         self.module().synchronize(index)

@@ -87,6 +87,7 @@ class CudaBackend(Backend):
     safetensors_direct = True
     profiler_activity = "CUDA"
     dispatch_key = "CUDA"  # ROCm builds register their kernels under CUDA too
+    _no_utilization = False
 
     @property
     def visible_devices_variable(self) -> str:  # type: ignore[override]
@@ -157,6 +158,17 @@ class CudaBackend(Backend):
         out["capability"] = ".".join(map(str, torch.cuda.get_device_capability(index)))
         out["vendor"] = "AMD" if torch.version.hip else "NVIDIA"
         return out
+
+    def utilization(self, index: int) -> float | None:
+        # torch.cuda.utilization reads NVML (the pynvml package) or, on ROCm, amdsmi; without them, or where the
+        # driver refuses the query, there is no reading. A failure is remembered: the dashboard asks every second.
+        if self._no_utilization:
+            return None
+        try:
+            return float(torch.cuda.utilization(index))
+        except Exception:  # ModuleNotFoundError without pynvml/amdsmi, NVMLError from the driver
+            self._no_utilization = True
+            return None
 
     def versions(self) -> dict[str, str | None]:
         cudnn = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None

@@ -117,6 +117,16 @@ class NpuBackend(Backend):
             return "npu", lookup_backend("npu")
         return "eager", None
 
+    def utilization(self, index: int) -> float | None:
+        # torch_npu's torch.npu.utilization(device): the device's busy rate, as its driver counts it.
+        read = getattr(self.module(), "utilization", None) if self.is_available() else None
+        if read is None:
+            return None
+        try:
+            return float(read(index))
+        except Exception:  # a driver without the query raises; that is "not reported", not a failure
+            return None
+
     def versions(self) -> dict[str, str | None]:
         torch_npu = sys.modules.get("torch_npu")
         return {
