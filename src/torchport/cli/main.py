@@ -22,6 +22,7 @@ from . import stack
 from . import bench, kernels, verify
 from . import export
 from . import coverage
+from . import ui
 
 __all__ = ["COMMANDS", "Command", "build_parser", "main"]
 
@@ -42,6 +43,7 @@ COMMANDS: dict[str, Command] = {
     "kernels": Command(kernels.HELP, kernels.add_arguments, kernels.handle),
     "export": Command(export.HELP, export.add_arguments, export.handle),
     "coverage": Command(coverage.HELP, coverage.add_arguments, coverage.handle),
+    "ui": Command(ui.HELP, ui.add_arguments, ui.handle),
 }
 
 

@@ -1,0 +1,369 @@
+"""The Kernels tab: the registry's op x device x implementation table (:func:`torchport.kernels.table`), and a
+short benchmark of one op on one device, each implementation forced in turn (``TORCHPORT_KERNELS=op=name``) and
+timed with :func:`torchport.bench.measure`, shown as bars against the reference."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .. import _settings
+from ..bench import Result, measure
+from ..device import devices, resolve
+from .jobs import Job, done, failed, run_job, wire_action
+
+__all__ = ["DTYPES", "HEADERS", "SIZES", "TIMING_HEADERS", "Benchmark", "Timing", "bar_frame", "benchmark",
+           "benchmarkable_ops", "describe_size", "registry_rows", "summary", "tab", "timing_rows"]
+
+HEADERS = ["op", "device", "implementation", "candidates (by priority)", "why not faster"]
+DTYPES = ("bfloat16", "float16", "float32")
+SIZES = ("small", "medium", "large")
+WARMUP, ITERS = 2, 10
+
+
+def registry_rows(devices: Sequence[torch.device] | None = None) -> list[list[str]]:
+    """The rows of :func:`torchport.kernels.table` as text cells (columns :data:`HEADERS`).
+
+    Example:
+        >>> registry_rows([torch.device("cpu")])[0][:3]
+        ['cross_entropy', 'cpu', 'reference']
+    """
+    from ..kernels import table
+
+    return [[row["op"], row["device"], row["implementation"], ", ".join(row["candidates"]),
+             "; ".join(row["notes"]) or "-"] for row in table(devices)]
+
+
+# -- inputs ---------------------------------------------------------------------------------------------------------
+def _randn(gen: torch.Generator | None, shape: Sequence[int], scale: float = 1.0) -> torch.Tensor:
+    return scale * torch.randn(tuple(shape), generator=gen)
+
+
+def _targets(gen: torch.Generator | None, rows: int, vocab: int) -> torch.Tensor:
+    target = torch.randint(0, vocab, (rows,), generator=gen)
+    target[::16] = -100  # padding, as a batch of uneven sequences has
+    return target
+
+
+def _rope_tables(seq: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # as LlamaRotaryEmbedding: one angle per position and frequency, then cat(freqs, freqs)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+    freqs = torch.arange(seq, dtype=torch.float32)[None, :, None] * inv_freq[None, None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos(), emb.sin()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Case:
+    dims: str                                   # what the sizes mean
+    sizes: dict[str, tuple[int, ...]]           # SIZES -> dims
+    make: Callable[..., tuple[Any, ...]]        # (generator, *dims) -> float32 host arguments (targets: int64)
+    call: Callable[..., Any]                    # (kernels module, *args) -> output
+    differentiable: int                         # the leading arguments that get a gradient
+
+
+def _cases() -> dict[str, _Case]:
+    def norm(g: torch.Generator | None, rows: int, hidden: int) -> tuple[Any, ...]:
+        return _randn(g, (rows, hidden)), 1 + _randn(g, (hidden,), 0.1)
+
+    def glu(g: torch.Generator | None, rows: int, inner: int) -> tuple[Any, ...]:
+        return _randn(g, (rows, inner)), _randn(g, (rows, inner))
+
+    return {
+        "rms_norm": _Case("rows × hidden", {"small": (1024, 1024), "medium": (4096, 4096), "large": (16384, 4096)},
+                          norm, lambda k, x, w: k.rms_norm(x, w), 2),
+        "layer_norm": _Case("rows × hidden", {"small": (1024, 1024), "medium": (4096, 4096),
+                                              "large": (16384, 4096)},
+                            lambda g, rows, hidden: (*norm(g, rows, hidden), _randn(g, (hidden,), 0.1)),
+                            lambda k, x, w, b: k.layer_norm(x, w, b), 3),
+        "swiglu": _Case("rows × intermediate", {"small": (1024, 2048), "medium": (4096, 8192),
+                                                "large": (8192, 14336)},
+                        glu, lambda k, gate, up: k.swiglu(gate, up), 2),
+        "geglu": _Case("rows × intermediate", {"small": (1024, 2048), "medium": (4096, 8192),
+                                               "large": (8192, 14336)},
+                       glu, lambda k, gate, up: k.geglu(gate, up), 2),
+        "rope": _Case("batch × q heads × kv heads × sequence × head dim",
+                      {"small": (1, 8, 2, 256, 64), "medium": (2, 32, 8, 1024, 128),
+                       "large": (4, 32, 8, 4096, 128)},
+                      lambda g, b, hq, hk, s, d: (_randn(g, (b, hq, s, d)), _randn(g, (b, hk, s, d)),
+                                                  *(t.expand(b, s, d) for t in _rope_tables(s, d))),
+                      lambda k, q, kk, cos, sin: k.rope(q, kk, cos, sin), 2),
+        "cross_entropy": _Case("rows × vocabulary", {"small": (512, 8192), "medium": (4096, 32000),
+                                                     "large": (8192, 128256)},
+                               lambda g, rows, vocab: (_randn(g, (rows, vocab), 2.0), _targets(g, rows, vocab)),
+                               lambda k, logits, target: k.cross_entropy(logits, target), 1),
+        "fused_linear_cross_entropy": _Case(
+            "tokens × hidden × vocabulary", {"small": (256, 512, 8192), "medium": (2048, 2048, 32000),
+                                              "large": (8192, 4096, 128256)},
+            lambda g, rows, hidden, vocab: (_randn(g, (rows, hidden)), _randn(g, (vocab, hidden), hidden**-0.5),
+                                            _targets(g, rows, vocab)),
+            lambda k, h, w, target: k.fused_linear_cross_entropy(h, w, target), 2),
+    }
+
+
+_CASES = _cases()
+
+
+def benchmarkable_ops() -> list[str]:
+    """The registered ops this tab can make inputs for.
+
+    Example:
+        >>> "rms_norm" in benchmarkable_ops()
+        True
+    """
+    from ..kernels import list_kernels
+
+    return [op for op in list_kernels() if op in _CASES]
+
+
+def describe_size(op: str, size: str) -> str:
+    """The shape a size stands for, e.g. ``"rows × hidden 4096×4096"``."""
+    case = _CASES[op]
+    return f"{case.dims} {'×'.join(map(str, case.sizes[size]))}"
+
+
+# -- the benchmark --------------------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    """One implementation's result: its timing, or why it could not run (``error``)."""
+
+    implementation: str
+    result: Result | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Benchmark:
+    """A benchmark of ``op`` on ``device``: one :class:`Timing` per implementation serving the device, the reference
+    last, and ``auto``, the implementation torchport picks there by itself."""
+
+    op: str
+    device: str
+    dtype: str
+    shape: str
+    backward: bool
+    auto: str
+    timings: list[Timing]
+
+    def reference_ms(self) -> float | None:
+        ref = next((t for t in self.timings if t.implementation == "reference" and t.result), None)
+        return None if ref is None else ref.result.median_ms
+
+
+def _step(op: str, args: tuple[Any, ...], backward: bool, gen: torch.Generator) -> Callable[[], Any]:
+    from .. import kernels
+
+    case = _CASES[op]
+    if not backward:
+        def forward() -> Any:
+            with torch.no_grad():
+                return case.call(kernels, *args)
+        return forward
+    leaves = [arg.requires_grad_() for arg in args[:case.differentiable]]
+    outputs = case.call(kernels, *args)
+    outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+    grads = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outputs]
+
+    def forward_backward() -> None:
+        for leaf in leaves:
+            leaf.grad = None
+        out = case.call(kernels, *args)
+        torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
+
+    return forward_backward
+
+
+def _check_memory(host: tuple[torch.Tensor, ...], dtype: torch.dtype, backward: bool, backend: Any, index: int,
+                  what: str) -> None:
+    # Inputs, outputs, the reference's float32 intermediates and (backward) gradients: about 3x the inputs forward
+    # and 6x with the backward. Refusing beats an out-of-memory kill of the dashboard (the CPU's memory is the host's).
+    size = sum(t.numel() * (dtype.itemsize if t.is_floating_point() else t.element_size()) for t in host)
+    need = size * (6 if backward else 3)
+    info = backend.mem_get_info(index)
+    if info is not None and need > info[0]:
+        raise ValueError(f"{what} needs about {need / 2**30:.1f} GiB on {backend.device(index)}, which has "
+                         f"{info[0] / 2**30:.1f} GiB free; choose a smaller size")
+
+
+def _mode(op: str, name: str, auto: str) -> str | None:
+    # TORCHPORT_KERNELS names the implementations users choose between (reference, triton, npu); another one (the
+    # chunked fused loss on the CPU) runs when auto mode picks it
+    if name in _settings.KERNEL_MODES:
+        return name
+    return "auto" if name == auto else None
+
+
+def benchmark(job: Job, op: str, device: str, dtype: str = "float32", size: str = "small", backward: bool = False,
+              *, warmup: int = WARMUP, iters: int = ITERS) -> Benchmark:
+    """Time ``op`` on ``device`` with each implementation that serves the device (forced in turn with
+    ``TORCHPORT_KERNELS``, the reference last; one it has no mode for is timed when auto mode picks it) on the same
+    inputs: ``warmup`` untimed calls, then ``iters`` timed ones with :func:`torchport.bench.measure`. An
+    implementation that cannot run here is listed with the reason.
+
+    Raises:
+        ValueError: an unknown op, size or dtype, a device this machine lacks, or a dtype that does not work on the
+            device (by its probe).
+
+    Example:
+        >>> result = benchmark(Job(), "rms_norm", "cpu", "float32", "small")
+        >>> [t.implementation for t in result.timings]
+        ['reference']
+    """
+    from ..kernels.registry import KernelError, implementation, list_kernels, select
+
+    if op not in _CASES:
+        raise ValueError(f"the dashboard has no benchmark inputs for op {op!r}; it has: {', '.join(_CASES)}")
+    if size not in SIZES:
+        raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    backend, index = resolve(device, source="device")
+    dev = backend.device(index)
+    torch_dtype = getattr(torch, dtype)
+    if not backend.dtype_works(torch_dtype, index):
+        raise ValueError(f"{dtype} does not work on {dev} (its dtype probe failed); choose another dtype")
+    names = [name for name in list_kernels()[op] if implementation(op, name).serves(dev.type)]
+    names = [name for name in names if name != "reference"] + ["reference"]
+    auto = select(op, dev, quiet=True).name
+    job.report((0, len(names)), f"{op}: making {describe_size(op, size)} inputs on {dev}")
+    case = _CASES[op]
+    with torch.device("meta"):  # shapes only: a size that does not fit is refused before anything is made
+        _check_memory(case.make(None, *case.sizes[size]), torch_dtype, backward, backend, index,
+                      f"{op} {size} ({describe_size(op, size)})")
+    gen = torch.Generator().manual_seed(0)
+    host = case.make(gen, *case.sizes[size])
+    args = tuple(t.to(dev, torch_dtype) if t.is_floating_point() else t.to(dev) for t in host)
+    timings = []
+    for count, name in enumerate(names):
+        job.report((count, len(names)), f"{op}: timing {name} on {dev}")
+        mode = _mode(op, name, auto)
+        if mode is None:
+            timings.append(Timing(name, error=f"TORCHPORT_KERNELS cannot force {name!r} (its modes: "
+                                              f"{', '.join(_settings.KERNEL_MODES)}), and auto picks {auto!r} here"))
+            continue
+        try:
+            with _settings.override(kernels=f"{op}={mode}"):
+                step = _step(op, tuple(a.detach() for a in args), backward, gen)
+                # a cancel is seen within one call (the check costs ~0.1 us of host time per call)
+                timed = measure(lambda: (job.check(), step()), warmup=warmup, iters=iters, device=dev)
+                timings.append(Timing(name, timed))
+        except KernelError as exc:
+            timings.append(Timing(name, error=str(exc)))
+        except torch.OutOfMemoryError as exc:
+            timings.append(Timing(name, error=f"out of memory: {str(exc).splitlines()[0]}"))
+    job.report((len(names), len(names)), f"{op}: done")
+    return Benchmark(op, str(dev), dtype, describe_size(op, size), backward, auto, timings)
+
+
+def timing_rows(result: Benchmark) -> list[list[str]]:
+    """One row per implementation (columns :data:`TIMING_HEADERS`): median, p20 and p80 ms, speed against the
+    reference, peak memory, and how it was timed (or why it cannot run).
+
+    Example:
+        >>> timing_rows(benchmark(Job(), "swiglu", "cpu"))[0][0]
+        'reference (auto)'
+    """
+    ref = result.reference_ms()
+    rows = []
+    for timing in result.timings:
+        label = timing.implementation + (" (auto)" if timing.implementation == result.auto else "")
+        r = timing.result
+        if r is None:
+            rows.append([label, "-", "-", "-", "-", "-", f"cannot run: {timing.error}"])
+            continue
+        speed = "-" if ref is None or r.median_ms <= 0 else f"{ref / r.median_ms:.2f}x"
+        peak = "not counted" if r.peak_memory is None else f"{r.peak_memory / 2**20:,.1f} MiB"
+        rows.append([label, f"{r.median_ms:.3f}", f"{r.p20_ms:.3f}", f"{r.p80_ms:.3f}", speed, peak, r.timer])
+    return rows
+
+
+TIMING_HEADERS = ["implementation", "median ms", "p20 ms", "p80 ms", "speed vs reference", "peak memory",
+                  "timed with"]
+
+
+def bar_frame(result: Benchmark) -> Any:
+    """The bar chart's data: median milliseconds per implementation that ran (a pandas DataFrame).
+
+    Example:
+        >>> bar_frame(benchmark(Job(), "rms_norm", "cpu")).columns.tolist()
+        ['implementation', 'median ms', 'kind']
+    """
+    import pandas as pd
+
+    records = [{"implementation": t.implementation + (" (auto)" if t.implementation == result.auto else ""),
+                "median ms": t.result.median_ms,
+                "kind": "reference" if t.implementation == "reference" else "fused kernel"}
+               for t in result.timings if t.result is not None]
+    return pd.DataFrame(records, columns=["implementation", "median ms", "kind"])
+
+
+def summary(result: Benchmark) -> str:
+    """Markdown: what was timed, and the fastest implementation against the reference."""
+    passes = "forward + backward" if result.backward else "forward"
+    head = (f"**{result.op}** on `{result.device}`, {result.dtype}, {result.shape}, {passes}; {WARMUP} warm-up and "
+            f"{ITERS} timed calls per implementation. torchport picks **{result.auto}** here.")
+    ran = [t for t in result.timings if t.result is not None]
+    ref = result.reference_ms()
+    if len(ran) > 1 and ref is not None:
+        best = min(ran, key=lambda t: t.result.median_ms)
+        head += f" Fastest: **{best.implementation}**, {ref / best.result.median_ms:.2f}x the reference's speed."
+    return head
+
+
+def tab() -> None:
+    """Build the Kernels tab inside the current ``gr.Blocks``."""
+    import gradio as gr
+
+    present = [str(d) for d in devices()]
+    ops = benchmarkable_ops()
+    gr.Markdown("Which implementation each fused kernel uses on each device of this machine, and why a faster one "
+                "is not used (`torchport kernels`). `TORCHPORT_KERNELS` forces a choice.")
+    def problem() -> str:
+        try:
+            registry_rows()
+        except (ValueError, RuntimeError) as exc:  # an invalid TORCHPORT_KERNELS: say so, keep the page
+            return f"**The registry cannot be shown**: {exc}"
+        return ""
+
+    def rows() -> list[list[str]]:
+        try:
+            return registry_rows()
+        except (ValueError, RuntimeError):
+            return []
+
+    gr.Markdown(problem)
+    gr.Dataframe(headers=HEADERS, value=rows, interactive=False, wrap=True, label="registry", elem_id="kernels-table",
+                 column_widths=["18%", "8%", "12%", "18%", "44%"])
+    gr.Markdown("### Benchmark one op\nEach implementation that serves the device is forced in turn and timed on "
+                "the same inputs; the bars compare them with the plain-PyTorch reference.")
+    with gr.Row():
+        op = gr.Dropdown(ops, value=ops[0] if ops else None, label="op")
+        device = gr.Dropdown(present, value=present[0], label="device")
+        dtype = gr.Dropdown(list(DTYPES), value="float32", label="dtype")
+        size = gr.Radio(list(SIZES), value="small", label="size")
+        passes = gr.Radio(["forward", "forward + backward"], value="forward", label="pass")
+    shape = gr.Markdown(describe_size(ops[0], "small") if ops else "")
+    with gr.Row():
+        start = gr.Button("Benchmark", variant="primary", elem_id="kernels-run", scale=0, min_width=160)
+        stop = gr.Button("Cancel", interactive=False, scale=0, min_width=120)
+    result_md = gr.Markdown(elem_id="kernels-summary")
+    bars = gr.BarPlot(x="implementation", y="median ms", color="kind", y_title="ms",
+                      label="median time per call (lower is faster)", elem_id="kernels-bars",
+                      color_map={"reference": "#9ca3af", "fused kernel": "#ea580c"})
+    timings = gr.Dataframe(headers=TIMING_HEADERS, interactive=False, wrap=True, label="timings")
+
+    for control in (op, size):
+        control.change(lambda o, s: describe_size(o, s) if o else "", inputs=[op, size], outputs=shape,
+                       queue=False, show_progress="hidden")
+
+    async def on_run(o: str, d: str, t: str, s: str, p: str, progress: Any = gr.Progress()) -> tuple[Any, ...]:
+        try:
+            result = await run_job(benchmark, o, d, t, s, p != "forward", progress=progress)
+        except (ValueError, TypeError, RuntimeError) as exc:  # a dtype the device lacks, an op that refuses it
+            return failed(str(exc)), None, None
+        return done(summary(result)), bar_frame(result), timing_rows(result)
+
+    wire_action([start.click], start, stop, on_run, [op, device, dtype, size, passes], [result_md, bars, timings])
