@@ -14,3 +14,16 @@ if ! python -c "import torch" 2>/dev/null; then
     python -m pip install -q --disable-pip-version-check "torch==2.13.0"
 fi
 python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+# The dashboard's browser test drives the system's Chromium (tests/ui/test_browser.py). For the test extras, install
+# it where this can (root with apt, e.g. a fresh CI machine); anywhere else that one test is skipped with the reason.
+if [[ ",$extras," == *",test,"* ]] && ! command -v chromedriver >/dev/null 2>&1 \
+        && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    echo "setup: installing chromium and chromium-driver (Debian packages) for the browser test"
+    log="$(mktemp)"
+    if ! (export DEBIAN_FRONTEND=noninteractive; apt-get update -qq && apt-get install -y -qq chromium chromium-driver) \
+            >"$log" 2>&1; then
+        tail -n 5 "$log" >&2
+        echo "setup: chromium could not be installed; the browser test will be skipped" >&2
+    fi
+    rm -f "$log"
+fi
