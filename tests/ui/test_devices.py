@@ -63,17 +63,18 @@ def test_history_keeps_the_last_span_and_makes_plot_frames() -> None:
     pytest.importorskip("pandas")
     history = devices.MemoryHistory(span_s=10)
 
-    def row(name: str, used: int | None, util: float | None) -> dict:
-        return {"device": name, "used": used, "utilization": util}
+    def row(name: str, used: int, util: float | None) -> dict:
+        return {"device": name, "used": used, "used_pct": 100 * used / 2**36, "utilization": util}
 
     for t in range(15):
         history.add([row("npu:0", t * 2**30, 50.0), row("cpu", 2**30, None)], now=100.0 + t)
     memory = history.memory_frame()
-    assert memory.columns.tolist() == ["seconds", "device", "GiB used"]
+    assert memory.columns.tolist() == ["seconds", "device", "% in use", "GiB in use"]
     assert memory["seconds"].min() == -10 and memory["seconds"].max() == 0  # 11 samples: 104..114
     assert len(memory) == 2 * 11
-    last = memory[(memory["seconds"] == 0) & (memory["device"] == "npu:0")]["GiB used"].item()
+    last = memory[(memory["seconds"] == 0) & (memory["device"] == "npu:0")]["GiB in use"].item()
     assert last == 14
+    assert memory[(memory["seconds"] == 0) & (memory["device"] == "npu:0")]["% in use"].item() == 100 * 14 / 64
     util = history.utilization_frame()
     assert set(util["device"]) == {"npu:0"}  # the CPU reports none
     assert devices.MemoryHistory().memory_frame().empty

@@ -83,3 +83,17 @@ def test_module_calls_of_other_threads_are_not_stopped() -> None:
 
 def test_escape_markdown_shows_text_as_written() -> None:
     assert escape_markdown("a_b *c* [x](y) <b> `z` #1 |") == "a\\_b \\*c\\* \\[x\\](y) \\<b\\> \\`z\\` \\#1 \\|"
+
+
+def test_device_memory_cached_by_a_job_is_given_back(npu: torch.device) -> None:
+    from torchport.backends import get_backend
+
+    backend = get_backend("npu")
+
+    def work(job: Job) -> int:
+        held = torch.empty(4 * 2**20, dtype=torch.uint8, device=npu)
+        return held.numel()
+
+    before = backend.memory_stats(0)["reserved"]
+    assert asyncio.run(run_job(work)) == 4 * 2**20
+    assert backend.memory_stats(0)["reserved"] <= before

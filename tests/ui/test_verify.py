@@ -54,7 +54,8 @@ def test_the_first_divergent_layer_is_named(tmp_path: Path, npu: torch.device) -
     statuses = [row[-1] for row in verify.layer_rows(report)]
     assert statuses[:3] == ["ok", "ok", "FIRST"] and "FAIL" in statuses[3:]
     assert any(row[1].endswith("(gradient)") for row in verify.layer_rows(report))
-    assert verify.summary(report).startswith("### First divergence: `2` (OffOnDevices)\nrelative error ")
+    assert verify.summary(report).startswith("### First divergence: `2` (OffOnDevices)\nfirst divergence: 2 "
+                                             "(OffOnDevices), relative error ")
 
 
 def test_the_model_can_be_cast_first(npu: torch.device) -> None:

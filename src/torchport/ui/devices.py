@@ -150,7 +150,7 @@ class MemoryHistory:
         >>> history = MemoryHistory()
         >>> history.add(device_rows())
         >>> history.memory_frame().columns.tolist()
-        ['seconds', 'device', 'GiB used']
+        ['seconds', 'device', '% in use', 'GiB in use']
     """
 
     def __init__(self, span_s: float = HISTORY_S) -> None:
@@ -163,23 +163,26 @@ class MemoryHistory:
         while self.samples and self.samples[0][0] < now - self.span_s:
             self.samples.popleft()
 
-    def _frame(self, key: str, column: str, scale: float) -> Any:
+    def _frame(self, columns: dict[str, tuple[str, float]]) -> Any:
         import pandas as pd
 
         now = self.samples[-1][0] if self.samples else 0.0
+        first = next(iter(columns.values()))[0]
         records = [
-            {"seconds": round(t - now, 1), "device": row["device"], column: row[key] / scale}
-            for t, rows in self.samples for row in rows if row[key] is not None
+            {"seconds": round(t - now, 1), "device": row["device"],
+             **{column: row[key] / scale for column, (key, scale) in columns.items()}}
+            for t, rows in self.samples for row in rows if row[first] is not None
         ]
-        return pd.DataFrame(records, columns=["seconds", "device", column])
+        return pd.DataFrame(records, columns=["seconds", "device", *columns])
 
     def memory_frame(self) -> Any:
-        """Memory in use per device (GiB) against seconds before the last sample, as a pandas DataFrame."""
-        return self._frame("used", "GiB used", GIB)
+        """Memory in use per device, in percent of its total and in GiB, against seconds before the last sample
+        (a pandas DataFrame)."""
+        return self._frame({"% in use": ("used_pct", 1.0), "GiB in use": ("used", GIB)})
 
     def utilization_frame(self) -> Any:
         """Utilisation per device (percent) where reported, against seconds before the last sample."""
-        return self._frame("utilization", "utilisation %", 1.0)
+        return self._frame({"utilisation %": ("utilization", 1.0)})
 
 
 def tab() -> None:
@@ -195,9 +198,11 @@ def tab() -> None:
                          elem_id="devices-table", label="devices")
     with gr.Row():
         # no title and no fixed height: with both, gradio 6 cuts the legend off
-        memory_plot = gr.LinePlot(x="seconds", y="GiB used", color="device", x_lim=[-HISTORY_S, 0],
-                                  x_title="seconds ago", y_title="GiB in use", label="device memory in use",
-                                  elem_id="devices-memory")
+        # percent of each device's total: an accelerator's line is not flattened by the host's far larger RAM
+        memory_plot = gr.LinePlot(x="seconds", y="% in use", color="device", x_lim=[-HISTORY_S, 0], y_lim=[0, 100],
+                                  x_title="seconds ago", y_title="% of the device's memory",
+                                  tooltip=["device", "% in use", "GiB in use", "seconds"],
+                                  label="memory in use", elem_id="devices-memory")
         util_plot = gr.LinePlot(x="seconds", y="utilisation %", color="device", x_lim=[-HISTORY_S, 0],
                                 y_lim=[0, 100], x_title="seconds ago", label="utilisation",
                                 visible=bool(reporting), elem_id="devices-utilisation")

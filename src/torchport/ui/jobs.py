@@ -16,6 +16,8 @@ from typing import Any, TypeVar
 
 import torch
 
+from ..memory import empty_cache
+
 __all__ = ["Cancelled", "Job", "check_module_calls", "done", "escape_markdown", "failed", "run_job",
            "wire_action"]
 
@@ -66,7 +68,7 @@ class Job:
 
 async def run_job(work: Callable[..., T], *args: Any, progress: Progress | None = None) -> T:
     """Run ``work(job, *args)`` in a worker thread and return its result; cancelling the awaiting task cancels
-    the job.
+    the job. Device memory cached by the work is returned to the device when it ends.
 
     Example:
         >>> async def handler(progress=gr.Progress()):
@@ -76,7 +78,11 @@ async def run_job(work: Callable[..., T], *args: Any, progress: Progress | None 
 
     def target() -> T:
         job.thread = threading.get_ident()
-        return work(job, *args)
+        try:
+            return work(job, *args)
+        finally:
+            # the work's tensors are gone: hand their cached blocks back, so the Devices tab shows the device as free
+            empty_cache()
 
     try:
         return await asyncio.to_thread(target)

@@ -92,7 +92,7 @@ def layer_rows(report: Report) -> list[list[str]]:
 
 
 def summary(report: Report) -> str:
-    """Markdown: whether the target matches the reference, and the first divergent layer with its errors.
+    """Markdown: whether the target matches the reference, or the first divergent layer and its errors.
 
     Example:
         >>> summary(report)
@@ -101,9 +101,7 @@ def summary(report: Report) -> str:
     row = report.first_failing()
     if row is None:
         return f"### Matches the reference\n{report.summary()}"
-    return (f"### First divergence: `{row.name}` ({row.type})\nrelative error {_format(row.rel_error)} "
-            f"(tolerance {report.rtol:g}), max abs error {_format(row.max_abs_error)} (tolerance {report.atol:g}). "
-            f"{report.summary()}")
+    return f"### First divergence: `{row.name}` ({row.type})\n{report.summary()}"
 
 
 def _styled(rows: list[list[str]]) -> Any:
