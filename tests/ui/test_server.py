@@ -67,3 +67,20 @@ def test_the_command_refuses_a_port_in_use_with_exit_2(busy_port: int, capsys: p
 def test_the_command_refuses_a_bad_address_with_exit_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["ui", "--host", "192.0.2.1", "--port", "0"]) == 2
     assert capsys.readouterr().err.startswith("torchport ui: error: 192.0.2.1 is not an address of this machine")
+
+
+def test_without_gradio_the_command_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gradio", None)  # import gradio raises ImportError
+    assert main(["ui", "--port", "0"]) == 2
+    assert capsys.readouterr().err == ('torchport ui: error: the dashboard needs gradio, which is not installed: '
+                                       'pip install "torchport[ui]"\n')
+
+
+def test_the_help_says_it_listens_on_loopback_and_runs_targets(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["ui", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "listens on 127.0.0.1 (this machine only) unless --host" in text and "no login" in text

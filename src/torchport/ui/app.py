@@ -34,7 +34,11 @@ CSS = """
 
 
 def theme() -> Any:
-    """gradio's default theme with system fonts: the page loads nothing from outside this machine."""
+    """gradio's default theme with system fonts: the page loads nothing from outside this machine.
+
+    Example:
+        >>> build_app().launch(theme=theme(), css=CSS)
+    """
     import gradio as gr
 
     return gr.themes.Default(

@@ -158,6 +158,7 @@ class MemoryHistory:
         self.samples: collections.deque[tuple[float, list[dict[str, Any]]]] = collections.deque()
 
     def add(self, rows: list[dict[str, Any]], now: float | None = None) -> None:
+        """Add one sample (:func:`device_rows`) taken at ``now`` (default: the monotonic clock); forget older ones."""
         now = time.monotonic() if now is None else now
         self.samples.append((now, rows))
         while self.samples and self.samples[0][0] < now - self.span_s:
@@ -186,7 +187,12 @@ class MemoryHistory:
 
 
 def tab() -> None:
-    """Build the Devices tab inside the current ``gr.Blocks`` (a timer refreshes it every :data:`REFRESH_S`)."""
+    """Build the Devices tab inside the current ``gr.Blocks`` (a timer refreshes it every :data:`REFRESH_S`).
+
+    Example:
+        >>> with gr.Blocks() as app:
+        ...     tab()
+    """
     import gradio as gr
 
     first = device_rows()

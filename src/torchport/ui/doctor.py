@@ -71,7 +71,12 @@ def _styled(rows: list[list[str]]) -> Any:
 
 
 def tab() -> None:
-    """Build the Doctor tab inside the current ``gr.Blocks``."""
+    """Build the Doctor tab inside the current ``gr.Blocks``.
+
+    Example:
+        >>> with gr.Blocks() as app:
+        ...     tab()
+    """
     import gradio as gr
 
     gr.Markdown("The checks of `torchport doctor`: torch build, settings, each device (dtype probes, matmul, conv, "

@@ -49,9 +49,11 @@ class Job:
 
     @property
     def cancelled(self) -> bool:
+        """Whether :meth:`cancel` was called."""
         return self._stop.is_set()
 
     def cancel(self) -> None:
+        """Ask the work to stop at its next :meth:`check`."""
         self._stop.set()
 
     def check(self) -> None:

@@ -120,7 +120,12 @@ def benchmarkable_ops() -> list[str]:
 
 
 def describe_size(op: str, size: str) -> str:
-    """The shape a size stands for, e.g. ``"rows × hidden 4096×4096"``."""
+    """The shape a size of ``op`` stands for.
+
+    Example:
+        >>> describe_size("rms_norm", "medium")
+        'rows × hidden 4096×4096'
+    """
     case = _CASES[op]
     return f"{case.dims} {'×'.join(map(str, case.sizes[size]))}"
 
@@ -149,6 +154,7 @@ class Benchmark:
     timings: list[Timing]
 
     def reference_ms(self) -> float | None:
+        """The reference's median milliseconds, None when it did not run."""
         ref = next((t for t in self.timings if t.implementation == "reference" and t.result), None)
         return None if ref is None else ref.result.median_ms
 
@@ -301,7 +307,12 @@ def bar_frame(result: Benchmark) -> Any:
 
 
 def summary(result: Benchmark) -> str:
-    """Markdown: what was timed, and the fastest implementation against the reference."""
+    """Markdown: what was timed, and the fastest implementation against the reference.
+
+    Example:
+        >>> summary(benchmark(Job(), "rms_norm", "npu:0"))
+        '**rms_norm** on `npu:0`, float32, rows × hidden 1024×1024, forward; ... Fastest: **npu**, 1.40x ...'
+    """
     passes = "forward + backward" if result.backward else "forward"
     head = (f"**{result.op}** on `{result.device}`, {result.dtype}, {result.shape}, {passes}; {WARMUP} warm-up and "
             f"{ITERS} timed calls per implementation. torchport picks **{result.auto}** here.")
@@ -314,7 +325,12 @@ def summary(result: Benchmark) -> str:
 
 
 def tab() -> None:
-    """Build the Kernels tab inside the current ``gr.Blocks``."""
+    """Build the Kernels tab inside the current ``gr.Blocks``.
+
+    Example:
+        >>> with gr.Blocks() as app:
+        ...     tab()
+    """
     import gradio as gr
 
     present = [str(d) for d in devices()]

@@ -72,7 +72,12 @@ def migrate_text(code: str, name: str = PASTED) -> FileResult:
 
 
 def diff_text(result: FileResult) -> str:
-    """The unified diff ``torchport migrate`` prints for this file; empty when nothing changes."""
+    """The unified diff ``torchport migrate`` prints for this file; empty when nothing changes.
+
+    Example:
+        >>> diff_text(migrate_text("import torch\\nx = torch.ones(2).cuda()\\n", "a.py")).splitlines()[0]
+        '--- a/a.py'
+    """
     from ..migrate.report import render_diff
 
     return render_diff([result])
@@ -114,7 +119,12 @@ def change_rows(result: FileResult) -> list[list[str]]:
 
 
 def unconverted_rows(result: FileResult) -> list[list[str]]:
-    """One row per site left as written (to port by hand): ``path:line:col``, what it is, a hint."""
+    """One row per site left as written (to port by hand): ``path:line:col``, what it is, a hint.
+
+    Example:
+        >>> unconverted_rows(migrate_text("import torch\\ntorch.cuda.nvtx.range_push('a')\\n"))[0][:2]
+        ['pasted.py:2:1', 'NVTX range']
+    """
     return [[f"{u['path']}:{u['line']}:{u['col']}", u["what"], u["hint"]] for u in _report(result)["unconverted"]]
 
 
@@ -160,7 +170,12 @@ def write_outputs(result: FileResult, folder: str) -> tuple[str, str]:
 
 
 def tab(folder: str) -> None:
-    """Build the Migrate tab inside the current ``gr.Blocks``; downloads are written under ``folder``."""
+    """Build the Migrate tab inside the current ``gr.Blocks``; downloads are written under ``folder``.
+
+    Example:
+        >>> with gr.Blocks() as app:
+        ...     tab(tempfile.mkdtemp())
+    """
     import gradio as gr
 
     gr.Markdown("Rewrite CUDA-specific source into device-agnostic PyTorch (`torchport migrate`): the diff, the "

@@ -117,7 +117,12 @@ def _styled(rows: list[list[str]]) -> Any:
 
 
 def tab(folder: str) -> None:
-    """Build the Verify tab inside the current ``gr.Blocks``; plots and reports are written under ``folder``."""
+    """Build the Verify tab inside the current ``gr.Blocks``; plots and reports are written under ``folder``.
+
+    Example:
+        >>> with gr.Blocks() as app:
+        ...     tab(tempfile.mkdtemp())
+    """
     import gradio as gr
 
     present = [str(d) for d in devices()]
