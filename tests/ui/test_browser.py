@@ -130,7 +130,7 @@ def _open_tab(driver: Any, name: str) -> None:
     tab.click()
 
 
-def test_devices_doctor_and_a_migration_in_the_browser(dashboard: str, browser: Any, tmp_path: Path) -> None:
+def test_devices_doctor_and_a_migration_in_the_browser(browser: Any, dashboard: str, tmp_path: Path) -> None:
     browser.get(dashboard)
 
     # Devices: the simulated NPU and the CPU, with their memory
