@@ -64,8 +64,9 @@ def _styled(rows: list[list[str]]) -> Any:
     frame = pd.DataFrame(rows, columns=HEADERS)
 
     def colour(row: Any) -> list[str]:
-        style = "color: #b91c1c; font-weight: 600" if row["status"] == "FAIL" else ""
-        return [style if column == "status" or style and column == "check" else "" for column in row.index]
+        red = row["status"] == "FAIL"
+        return ["color: #b91c1c; font-weight: 600" if red and column in ("check", "status") else ""
+                for column in row.index]
 
     return frame.style.apply(colour, axis=1)
 
