@@ -234,6 +234,7 @@ def test_fused_attention_falls_back_once_when_the_operator_fails(npu: torch.devi
     attention.register()
     forward = transformers.AttentionInterface._global_mapping["npu_fusion_attention"]
     monkeypatch.setitem(npu_fused_ops.OPS, "npu_fusion_attention", broken)
+    monkeypatch.setattr(attention, "_operators", {})
     q = torch.randn(1, 2, 3, 16, dtype=torch.float16)
     with torchport.settings.override(strict=True), pytest.raises(RuntimeError, match="EZ9999"):
         forward(_Attention(1), q.to(npu), q.to(npu), q.to(npu), None)

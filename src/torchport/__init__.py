@@ -35,10 +35,12 @@ __all__ = [
 
 # Subpackages that pull in more than torch are imported on first use: ``torchport.kernels.rms_norm(...)`` works
 # after a bare ``import torchport`` without making that import slower.
-_LAZY_SUBPACKAGES = frozenset({"bench", "compile", "export", "kernels", "models", "offload", "verify"})
+_LAZY_SUBPACKAGES = frozenset({"attention", "bench", "compile", "export", "kernels", "models", "modes", "offload",
+                               "quant", "verify"})
 # Functions served from a lazy subpackage: ``torchport.patch(model)`` imports torchport.models (and transformers
 # only when it patches).
-_LAZY_FUNCTIONS = {"patch": "models", "patch_transformers": "models", "unpatch": "models"}
+_LAZY_FUNCTIONS = {"patch": "models", "patch_transformers": "models", "unpatch": "models", "quantize": "quant",
+                   "enable": "modes", "disable": "modes"}
 
 
 def __getattr__(name: str):

@@ -38,6 +38,9 @@ Variables:
 ``TORCHPORT_DIST_TIMEOUT``
     Seconds a process-group start (rendezvous) or a collective may wait for the other processes before failing
     with an error instead of hanging (default 300).
+``TORCHPORT_MODE``
+    A mode that ``torchport run`` enables before the program starts (and ``torchport.enable()`` enables when
+    called without one): ``speed``, ``balanced`` or ``memory`` (see :mod:`torchport.modes`).
 ``TORCHPORT_CACHE_DIR``
     Where torchport keeps what it measured once and reuses across processes (Triton autotuning results).
     Default: ``$XDG_CACHE_HOME/torchport``, else ``~/.cache/torchport``.
@@ -54,7 +57,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["KERNEL_MODES", "LOG_TOPICS", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["KERNEL_MODES", "LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -76,6 +79,7 @@ class Settings:
     strict: bool = False
     cache_dir: str | None = None
     dist_timeout: float = 300.0
+    mode: str | None = None
 
 
 # field name -> environment variable
@@ -91,10 +95,13 @@ VARIABLES: dict[str, str] = {
     "strict": "TORCHPORT_STRICT",
     "cache_dir": "TORCHPORT_CACHE_DIR",
     "dist_timeout": "TORCHPORT_DIST_TIMEOUT",
+    "mode": "TORCHPORT_MODE",
 }
 
 KERNEL_MODES = ("auto", "reference", "triton", "npu")
 LOG_TOPICS = ("compile", "kernels", "fallback")
+#: The modes of :func:`torchport.enable`.
+MODES = ("speed", "balanced", "memory")
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings) if field.name != "kernels"}
@@ -159,6 +166,11 @@ def _validate(name: str, value: Any, source: str) -> Any:
         if not 0 < seconds < float("inf"):
             raise ValueError(f"{source}={value!r} is not a timeout; valid values: a positive number of seconds")
         return seconds
+    if name == "mode":
+        text = str(value).strip().lower()
+        if text not in MODES:
+            raise ValueError(f"{source}={value!r} is not a mode; valid values: {', '.join(MODES)}")
+        return text
     if name == "cache_dir":
         return os.path.abspath(os.path.expanduser(str(value)))
     if name in ("probe", "report", "strict"):

@@ -46,6 +46,8 @@ _FLASH = ("flash_attention_2", "flash_attention_3", "flash_attention_4")
 _lock = threading.RLock()
 _warned: set[tuple[str, ...]] = set()
 _broken: dict[tuple[str, str, torch.dtype], str] = {}  # (operator, device type, dtype) -> why it failed
+# (operator, device type) -> the operator or None; a plain dict, so that torch.compile traces the look-up
+_operators: dict[tuple[str, str], Callable[..., Any] | None] = {}
 _masks: dict[torch.device, torch.Tensor] = {}
 
 
@@ -102,7 +104,10 @@ def _warn_once(key: tuple[str, ...], message: str) -> None:
 def _fused_operator(name: str, device: torch.device, dtype: torch.dtype) -> Callable[..., Any] | None:
     if (name, device.type, dtype) in _broken:
         return None
-    return get_backend(device.type).fused_op(name)
+    key = (name, device.type)
+    if key not in _operators:
+        _operators[key] = get_backend(device.type).fused_op(name)
+    return _operators[key]
 
 
 def _sdpa(*args: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
@@ -216,10 +221,10 @@ def _choice_for(model: nn.Module, device: DeviceLike, dtype: torch.dtype | None 
     return chosen
 
 
-def apply(model: nn.Module, implementation: str | None = None) -> str:
+def apply(model: nn.Module, implementation: str | None = None, *, device: DeviceLike = None) -> str:
     """Set a loaded transformers model's attention implementation (and its sub-models'): ``implementation``, or
-    by default the best one for the device its parameters are on that the model class supports (FlashAttention
-    only for fp16/bf16 weights).
+    by default the best one that the model class supports for ``device`` (default: the device its parameters are
+    on; FlashAttention only for fp16/bf16 weights).
 
     Raises:
         TypeError: not a transformers model.
@@ -238,7 +243,7 @@ def apply(model: nn.Module, implementation: str | None = None) -> str:
         raise TypeError(f"torchport.attention.apply takes a transformers model, got {type(model).__name__}")
     if implementation is None:
         dtype = next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
-        implementation = _choice_for(model, _model_device(model), dtype)
+        implementation = _choice_for(model, _model_device(model) if device is None else device, dtype)
     elif implementation in FUSED:
         register()
     current = model.config._attn_implementation

@@ -20,6 +20,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", metavar="D", help="send CUDA calls to this device (default: the detected one)")
     parser.add_argument("--report", action="store_true",
                         help="at exit, print what was redirected and what cannot run on the device (stderr)")
+    parser.add_argument("--mode", metavar="MODE", help="enable a torchport mode for the program's models before it "
+                        "starts: speed, balanced or memory (default: TORCHPORT_MODE)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
                         help="the script and its arguments (with -m: the module's arguments)")
@@ -56,6 +58,7 @@ def handle(args: argparse.Namespace) -> int:
         return _launch(args, passed)
     try:
         report = args.report or _settings.value("report")
+        mode = _mode(args.mode)
         resolve(args.device, source="--device")
         device = compat.patch(args.device)
     except (ValueError, RuntimeError) as exc:
@@ -63,12 +66,30 @@ def handle(args: argparse.Namespace) -> int:
     # Child processes (DataLoader workers, torch.multiprocessing, subprocess) get the same shim at start-up.
     os.environ["TORCHPORT_SHIM"] = str(device)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHILD_HOOK, os.environ.get("PYTHONPATH")]))
+    if mode is not None:
+        from .. import modes
+
+        os.environ["TORCHPORT_MODE"] = mode  # a program that starts `torchport run` again (torchrun) keeps it
+        enabled = modes.enable(mode)
+        if report:
+            print(enabled, file=sys.stderr)
     try:
         return run_program(args.module, args.program)
     finally:
         if report:
             sys.stdout.flush()
             compat.print_report()
+
+
+def _mode(flag: str | None) -> str | None:
+    """The mode from --mode, else TORCHPORT_MODE; an error that lists the modes for any other value."""
+    from .. import _settings
+
+    if flag is None:
+        return _settings.value("mode")
+    if flag.strip().lower() not in _settings.MODES:
+        raise ValueError(f"--mode {flag!r} is not a mode; modes: {', '.join(_settings.MODES)}")
+    return flag.strip().lower()
 
 
 def _torchrun_arguments(args: argparse.Namespace) -> list[str]:
@@ -118,6 +139,8 @@ def _launch(args: argparse.Namespace, passed: list[str]) -> int:
         inner += ["--device", args.device]
     if args.report:
         inner.append("--report")
+    if args.mode:
+        inner += ["--mode", args.mode]
     inner += ["-m", args.module, *args.program] if args.module else args.program
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(count), *rendezvous, *passed,
                *inner]

@@ -31,7 +31,8 @@ from torch import nn
 from . import ops
 from .families import FAMILIES, Family
 
-__all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "supported", "unpatch"]
+__all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "patched_families", "supported", "unpatch",
+           "unpatch_transformers"]
 
 logger = logging.getLogger("torchport")
 
@@ -359,6 +360,39 @@ def patch_transformers(model_type: str | None = None, **flags: bool) -> list[str
                       holder)
     logger.info("torchport.patch_transformers: %s", ", ".join(families))
     return list(families)
+
+
+def patched_families() -> list[str]:
+    """The families whose transformers classes :func:`patch_transformers` has patched now.
+
+    Example:
+        >>> torchport.patch_transformers("llama"); torchport.models.patched_families()
+        ['llama']
+    """
+    with _lock:
+        holders = set().union(*(entry[3] for entry in _shared.values())) if _shared else set()
+    return sorted(name for kind, name in (h for h in holders if isinstance(h, tuple)) if kind == "transformers")
+
+
+def unpatch_transformers(model_type: str | None = None) -> list[str]:
+    """Undo :func:`patch_transformers` for one family (or every family), leaving models patched by :func:`patch`
+    as they are. Safe to call when the family is not patched.
+
+    Returns:
+        The families that were patched and no longer are.
+
+    Example:
+        >>> torchport.models.unpatch_transformers("llama")
+        ['llama']
+    """
+    if model_type is not None:
+        _family(model_type)  # an unknown family is an error that lists the supported ones
+    chosen = supported() if model_type is None else [model_type]
+    with _lock:
+        before = set(patched_families())
+        for name in chosen:
+            _release(("transformers", name))
+    return sorted(before & set(chosen))
 
 
 def _unpatch_model(inner: nn.Module) -> None:
