@@ -48,7 +48,8 @@ __all__ = [
 logger = logging.getLogger("torchport")
 
 # Modules that register the built-in ops, imported when the registry is first asked about ops.
-_BUILTIN_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "cross_entropy", "fused_linear_cross_entropy")
+_BUILTIN_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "cross_entropy", "fused_linear_cross_entropy",
+                    "lowbit_matmul")
 
 
 class Unsupported(RuntimeError):

@@ -1,0 +1,366 @@
+"""Low-bit weights on a Llama-8B-shaped model: torchport's formats against bf16 and torchao, in one process.
+
+Model: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 kv heads, vocab 128256, random bf16 weights (std
+0.02), a static KV cache. Every ``nn.Linear`` (the 224 of the layers and the output layer) is quantised; the
+embedding stays bf16. For each contender:
+
+* **decode**: batch 1, greedy, one CUDA graph per token step (the step writes its token and advances its position
+  inside the graph, so replays need no host work): tokens/s over ``--decode-tokens`` replays;
+* **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5;
+* **weight memory**: device bytes held by the model (``memory_allocated`` before and after building it), and the
+  bytes of the linear layers alone;
+* **accuracy**: logits of a 256-token prompt against the bf16 model's: relative error (Frobenius) and the mean
+  KL divergence ``KL(p_bf16 || p_quantised)`` per position, in float32.
+
+Contenders: ``bf16``; ``torchport-{int8,fp8,int4,mxfp4,nvfp4}`` (``torchport.quantize``); ``torchao-{int8,fp8,int4,
+nvfp4}`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``,
+``Int4WeightOnlyConfig`` in tinygemm's ``tile_packed_to_4d`` layout, which needs only torch, and
+``NVFP4WeightOnlyConfig``; torchao 0.18 has no weight-only MXFP4). Targets: int4/fp4 weight memory <= 30% of bf16,
+batch-1 decode >= 1.5x bf16, accuracy no worse than torchao's for the same format.
+
+    PYTHONPATH=$PWD/src python3 benchmarks/bench_lowbit.py --json benchmarks/results/lowbit.json   # GPU, ~5 min
+    python3 benchmarks/bench_lowbit.py --small --device cpu                                        # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import math
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+SHAPES = {
+    "8b": dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, vocab=128256),
+    "small": dict(hidden=256, intermediate=512, layers=2, heads=4, kv_heads=2, vocab=1000),
+}
+TORCHPORT_FORMATS = ("int8", "fp8", "int4", "mxfp4", "nvfp4")
+TORCHAO_FORMATS = ("int8", "fp8", "int4", "nvfp4")
+MAX_SEQ = 512
+
+
+class Block(nn.Module):
+    def __init__(self, c: dict[str, int]) -> None:
+        super().__init__()
+        h, d = c["hidden"], c["hidden"] // c["heads"]
+        self.heads, self.kv_heads, self.head_dim = c["heads"], c["kv_heads"], d
+        self.attn_norm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, c["heads"] * d, bias=False)
+        self.k_proj = nn.Linear(h, c["kv_heads"] * d, bias=False)
+        self.v_proj = nn.Linear(h, c["kv_heads"] * d, bias=False)
+        self.o_proj = nn.Linear(c["heads"] * d, h, bias=False)
+        self.mlp_norm = nn.Parameter(torch.ones(h))
+        self.gate_proj = nn.Linear(h, c["intermediate"], bias=False)
+        self.up_proj = nn.Linear(h, c["intermediate"], bias=False)
+        self.down_proj = nn.Linear(c["intermediate"], h, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
+                positions: torch.Tensor, decode: bool) -> torch.Tensor:
+        b, t, _ = x.shape
+        a = F.rms_norm(x, (x.shape[-1],), self.attn_norm, 1e-5)
+        q = self.q_proj(a).view(b, t, self.heads, self.head_dim).transpose(1, 2)
+        k = self.k_proj(a).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        v = self.v_proj(a).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        cache_k, cache_v = cache
+        cache_k.index_copy_(2, positions, k)
+        cache_v.index_copy_(2, positions, v)
+        if decode:  # attend to the cache up to this position
+            mask = (torch.arange(cache_k.shape[2], device=x.device) <= positions[-1]).view(1, 1, 1, -1)
+            o = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True)
+        else:
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        m = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, 1e-5)
+        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+class Llama(nn.Module):
+    def __init__(self, c: dict[str, int]) -> None:
+        super().__init__()
+        self.config = c
+        self.embed = nn.Embedding(c["vocab"], c["hidden"])
+        self.layers = nn.ModuleList(Block(c) for _ in range(c["layers"]))
+        self.norm = nn.Parameter(torch.ones(c["hidden"]))
+        self.lm_head = nn.Linear(c["hidden"], c["vocab"], bias=False)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, caches: list, decode: bool) -> torch.Tensor:
+        d = self.config["hidden"] // self.config["heads"]
+        inv = 1.0 / (500000.0 ** (torch.arange(0, d, 2, device=tokens.device, dtype=torch.float32) / d))
+        angles = positions.float()[:, None] * inv[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos, sin = angles.cos().to(self.embed.weight.dtype), angles.sin().to(self.embed.weight.dtype)
+        x = self.embed(tokens)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, cos, sin, cache, positions, decode)
+        return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, 1e-5))
+
+
+def build(c: dict[str, int], device: torch.device) -> Llama:
+    with torch.device("meta"):
+        model = Llama(c)
+    model.to_empty(device=device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02, generator=gen)
+    return model.to(torch.bfloat16).eval()
+
+
+def new_caches(model: Llama, device: torch.device) -> list:
+    c = model.config
+    shape = (1, c["kv_heads"], MAX_SEQ, c["hidden"] // c["heads"])
+    return [(torch.zeros(shape, dtype=torch.bfloat16, device=device), torch.zeros(shape, dtype=torch.bfloat16,
+             device=device)) for _ in range(c["layers"])]
+
+
+def _sync(device: torch.device) -> None:
+    import torchport
+
+    torchport.synchronize(device)
+
+
+def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor) -> float:
+    """Greedy batch-1 decode tokens/s: one CUDA graph per step where the device has graphs, eager otherwise."""
+    caches = new_caches(model, device)
+    start = prompt.shape[1]
+    with torch.no_grad():
+        logits = model(prompt, torch.arange(start, device=device), caches, decode=False)
+        token = logits[:, -1:].argmax(-1)
+        position = torch.tensor([start], device=device)
+
+        def step() -> None:
+            out = model(token, position, caches, decode=True)
+            token.copy_(out[:, -1:].argmax(-1))
+            position.add_(1)
+
+        for _ in range(3):  # warm-up: kernels compile and autotune here, outside the graph
+            step()
+        steps = min(tokens, MAX_SEQ - start - 8)
+        if device.type == "cuda":
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                step()
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                step()
+            position.fill_(start)
+            for _ in range(3):
+                graph.replay()
+            position.fill_(start)
+            _sync(device)
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            for _ in range(steps):
+                graph.replay()
+            end.record()
+            _sync(device)
+            seconds = begin.elapsed_time(end) / 1e3
+        else:
+            position.fill_(start)
+            began = time.perf_counter()
+            for _ in range(steps):
+                step()
+            seconds = time.perf_counter() - began
+    return steps / seconds
+
+
+def measure_prefill(model: Llama, device: torch.device, tokens: int) -> float:
+    prompt = torch.randint(0, model.config["vocab"], (1, tokens), device=device)
+    times = []
+    with torch.no_grad():
+        for i in range(6):
+            caches = new_caches(model, device) if tokens <= MAX_SEQ else _long_caches(model, device, tokens)
+            _sync(device)
+            began = time.perf_counter()
+            model(prompt, torch.arange(tokens, device=device), caches, decode=False)
+            _sync(device)
+            if i:
+                times.append(time.perf_counter() - began)
+    return tokens / statistics.median(times)
+
+
+def _long_caches(model: Llama, device: torch.device, tokens: int) -> list:
+    c = model.config
+    shape = (1, c["kv_heads"], tokens, c["hidden"] // c["heads"])
+    return [(torch.zeros(shape, dtype=torch.bfloat16, device=device), torch.zeros(shape, dtype=torch.bfloat16,
+             device=device)) for _ in range(c["layers"])]
+
+
+def logits_of(model: Llama, device: torch.device, prompt: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(prompt, torch.arange(prompt.shape[1], device=device), new_caches(model, device),
+                     decode=False).float()
+
+
+def accuracy(logits: torch.Tensor, reference: torch.Tensor) -> dict[str, float]:
+    rel = ((logits - reference).norm() / reference.norm()).item()
+    log_p = F.log_softmax(reference, dim=-1)
+    log_q = F.log_softmax(logits, dim=-1)
+    kl = (log_p.exp() * (log_p - log_q)).sum(-1).mean().item()
+    return {"logits_rel_error": rel, "kl_divergence": kl}
+
+
+def _linear_bytes(model: nn.Module) -> int:
+    import torchport.quant as quant
+
+    total = 0
+    for m in model.modules():
+        if isinstance(m, quant.QuantizedLinear):
+            total += m.nbytes()
+        elif isinstance(m, nn.Linear):
+            total += _tensor_bytes(m.weight)
+    return total
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    """Bytes of a tensor, or of the inner tensors of a tensor subclass (torchao's quantised weights)."""
+    if hasattr(t, "__tensor_flatten__") and type(t) not in (torch.Tensor, nn.Parameter):
+        names, _ = t.__tensor_flatten__()
+        return sum(_tensor_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
+    return t.numel() * t.element_size()
+
+
+def _model_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if id(t) not in seen:
+            seen.add(id(t))
+            total += _tensor_bytes(t)
+    return total
+
+
+def _allocated(device: torch.device) -> int:
+    return torch.accelerator.memory_allocated(device.index or 0) if device.type != "cpu" else 0
+
+
+def make(base: Llama, contender: str) -> Llama:
+    library, _, fmt = contender.partition("-")
+    model = copy.deepcopy(base)
+    if library == "torchport":
+        from torchport.quant import quantize
+
+        quantize(model, fmt)
+    elif library == "torchao":
+        from torchao.quantization import (Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig,
+                                          quantize_)
+
+        if fmt == "nvfp4":
+            from torchao.prototype.mx_formats.inference_workflow import NVFP4WeightOnlyConfig
+            config = NVFP4WeightOnlyConfig()
+        elif fmt == "int4":
+            config = Int4WeightOnlyConfig(group_size=128, int4_packing_format="tile_packed_to_4d")
+        else:
+            config = {"int8": Int8WeightOnlyConfig, "fp8": Float8WeightOnlyConfig}[fmt]()
+        quantize_(model, config)
+    return model
+
+
+def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+    import torchport
+
+    device = torch.device(args.device) if args.device else torchport.device()
+    shape = SHAPES["small" if args.small else "8b"]
+    contenders = ["bf16", *(f"torchport-{f}" for f in args.formats)]
+    if not args.no_torchao:
+        contenders += [f"torchao-{f}" for f in TORCHAO_FORMATS if f in args.formats]
+    gc.collect()
+    before = _allocated(device)
+    base = build(shape, device)
+    base_bytes = _allocated(device) - before
+    prompt = torch.randint(0, shape["vocab"], (1, 256), generator=torch.Generator().manual_seed(1)).to(device)
+    reference = logits_of(base, device, prompt)
+    rows = []
+    for name in contenders:
+        row: dict[str, Any] = {"contender": name}
+        try:
+            start = _allocated(device)
+            began = time.perf_counter()
+            model = base if name == "bf16" else make(base, name)
+            row["quantize_s"] = round(time.perf_counter() - began, 2)
+            row["weight_bytes"] = _model_bytes(model)
+            row["allocated_bytes"] = base_bytes if name == "bf16" else _allocated(device) - start
+            row["linear_bytes"] = _linear_bytes(model)
+            row.update(accuracy(logits_of(model, device, prompt), reference))
+            row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens)
+            row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
+        except Exception as exc:  # one contender failing must not lose the others' figures
+            row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+        finally:
+            model = None
+            gc.collect()
+            torchport.empty_cache()
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    bf16 = rows[0]
+    for row in rows:
+        if "error" in row or "error" in bf16:
+            continue
+        row["weight_vs_bf16"] = row["weight_bytes"] / bf16["weight_bytes"]
+        row["linear_vs_bf16"] = row["linear_bytes"] / bf16["linear_bytes"]
+        row["decode_vs_bf16"] = row["decode_tok_s"] / bf16["decode_tok_s"]
+        row["prefill_vs_bf16"] = row["prefill_tok_s"] / bf16["prefill_tok_s"]
+    return rows
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = (f"{'contender':<18}{'decode tok/s':>13}{'x bf16':>8}{'prefill tok/s':>15}{'x bf16':>8}"
+            f"{'weights GiB':>12}{'x bf16':>8}{'linears x':>10}{'rel err':>10}{'KL':>10}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['contender']:<18}error: {r['error']}")
+            continue
+        lines.append(
+            f"{r['contender']:<18}{r['decode_tok_s']:>13.1f}{r.get('decode_vs_bf16', math.nan):>8.2f}"
+            f"{r['prefill_tok_s']:>15.0f}{r.get('prefill_vs_bf16', math.nan):>8.2f}"
+            f"{r['weight_bytes'] / 2**30:>12.2f}{r.get('weight_vs_bf16', math.nan):>8.3f}"
+            f"{r.get('linear_vs_bf16', math.nan):>10.3f}{r['logits_rel_error']:>10.4f}{r['kl_divergence']:>10.2e}"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default=None, help="device (default: torchport.device())")
+    parser.add_argument("--small", action="store_true", help="a tiny model, for a smoke run")
+    parser.add_argument("--formats", nargs="+", default=list(TORCHPORT_FORMATS), choices=TORCHPORT_FORMATS)
+    parser.add_argument("--no-torchao", action="store_true", help="leave torchao out")
+    parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--json", default=None, help="write the rows to this file")
+    args = parser.parse_args()
+    rows = run(args)
+    print(table(rows))
+    if args.json:
+        import torchport
+        from torchport.backends import get_backend
+
+        device = torch.device(args.device) if args.device else torchport.device()
+        meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__, "shape": "small" if args.small else "8b",
+                "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens}
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""``y = x @ dequantise(W).T + bias`` for weights stored in a low-bit format (:mod:`torchport.quant`).
+
+Implementations:
+
+* ``triton`` (CUDA/ROCm): up to 16 rows (decode) one fused kernel reads each weight byte once and decodes it in
+  registers; more rows (prefill) dequantise the weight in one Triton pass, then use the vendor matmul.
+* ``npu``: torch_npu's ``npu_weight_quant_batchmatmul`` for ``int8`` (per channel) and ``int4`` (per group, the
+  codes repacked once by ``npu_convert_weight_to_int4pack``), fp16/bf16 activations. Its formula,
+  ``x @ ((w + offset) * scale)`` with a ``(K, N)`` weight, is the int4 format's own, so the scales are passed as they
+  are (transposed views). Other formats on Ascend take the reference.
+* ``reference``: dequantise with plain PyTorch, then ``F.linear``; every device.
+
+The backward gives ``x`` (and ``bias``) their gradients through the dequantised weight, so adapters trained on top
+of a quantised model (QLoRA-style) work; the codes themselves get no gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from . import registry
+
+__all__ = ["lowbit_linear"]
+
+Dequantize = Callable[[Mapping[str, torch.Tensor], torch.dtype], torch.Tensor]
+_DECODE_ROWS = 16  # the fused kernel's row limit: above it, dequantise once and use the dense matmul
+
+
+@registry.register_kernel("lowbit_matmul", "reference")
+def _reference(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
+               dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor:
+    return F.linear(x, dequantize(t, x.dtype), bias)
+
+
+def _triton_check(x: torch.Tensor, fmt: str, group: int) -> None:
+    from .triton import lowbit
+
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise registry.Unsupported(f"the Triton low-bit kernels take fp16, bf16 or fp32 activations, not {x.dtype}")
+    reason = lowbit.supports(fmt, group, x.shape[-1])
+    if reason is not None:
+        raise registry.Unsupported(reason)
+
+
+@registry.register_kernel("lowbit_matmul", "triton", devices=["cuda"], priority=20)
+def _triton(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
+            dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor:
+    from .triton import lowbit
+
+    _triton_check(x, fmt, group)
+    if x.shape[0] <= _DECODE_ROWS:
+        return lowbit.matmul(x, dict(t), fmt, group, bias)
+    return F.linear(x, lowbit.dequantize(dict(t), fmt, group, x.dtype), bias)
+
+
+def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
+                 cache: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
+    """(weight (K, N), antiquant_scale, antiquant_offset, antiquant_group_size) for torch_npu, made once per
+    weight storage and activation dtype and kept in the layer's cache."""
+    q, scale = t["qweight"], t["scale"]
+    key = ("npu", q.data_ptr(), x.dtype)
+    if cache.get("key") == key:
+        return cache["value"]
+    if fmt == "int8":
+        value = (q.t(), scale[:, 0].to(x.dtype), None, 0)
+    else:
+        codes = torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], -1).to(torch.int32) - 8
+        pack = registry.fused_op("npu_convert_weight_to_int4pack", x.device)
+        weight = pack(codes.t().contiguous())  # (K, N / 8): eight codes per int32, in torch_npu's own order
+        value = (weight, scale.t().to(x.dtype), t["offset"].t().to(x.dtype), group)
+    cache.clear()
+    cache.update(key=key, value=value)
+    return value
+
+
+@registry.register_kernel("lowbit_matmul", "npu", devices=["npu"], priority=10,
+                          requires=registry.fused_op_reason("npu_weight_quant_batchmatmul"))
+def _npu(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
+         dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor:
+    if fmt not in ("int8", "int4"):
+        raise registry.Unsupported(f"npu_weight_quant_batchmatmul takes int8 and int4 weights, not {fmt}")
+    if x.dtype not in (torch.float16, torch.bfloat16):
+        raise registry.Unsupported(f"npu_weight_quant_batchmatmul takes fp16 or bf16 activations, not {x.dtype}")
+    if fmt == "int4" and t["qweight"].shape[0] % 8:
+        raise registry.Unsupported("npu_convert_weight_to_int4pack needs out_features to be a multiple of 8")
+    weight, scale, offset, group_size = _npu_tensors(x, t, fmt, group, cache)
+    matmul = registry.fused_op("npu_weight_quant_batchmatmul", x.device)
+    y = matmul(x, weight, scale, offset, None, None, None, group_size if group_size != x.shape[-1] else 0)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class _LowbitLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, bias: torch.Tensor | None, t: Mapping[str, torch.Tensor], fmt: str,
+                group: int, dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor:
+        ctx.args = (t, dequantize, bias is not None)
+        return registry.call("lowbit_matmul", x.device, x, t, fmt, group, bias, dequantize, cache)
+
+    @staticmethod
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
+        t, dequantize, has_bias = ctx.args
+        dx = dy @ dequantize(t, dy.dtype) if ctx.needs_input_grad[0] else None
+        dbias = dy.sum(0) if has_bias and ctx.needs_input_grad[1] else None
+        return dx, dbias, None, None, None, None, None
+
+
+def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
+                  *, dequantize: Dequantize, cache: dict[str, Any] | None = None) -> torch.Tensor:
+    """``x @ W.T + bias`` where ``W`` is held as the low-bit tensors ``t`` of format ``fmt`` (see
+    :mod:`torchport.quant.formats`); ``dequantize(t, dtype)`` is the format's plain-PyTorch decoder (the reference,
+    and the backward). ``cache`` keeps layouts an implementation derives once per weight (torch_npu's int4 pack).
+
+    Example:
+        >>> y = lowbit_linear(x, layer.tensors(), "int4", 128, None, dequantize=get_format("int4").dequantize)
+    """
+    if x.shape[-1] != _in_features(t, fmt):
+        raise ValueError(f"lowbit_linear: x has {x.shape[-1]} features, the weight takes {_in_features(t, fmt)}")
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.shape[-1] > 1 and rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    y = _LowbitLinear.apply(rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def _in_features(t: Mapping[str, torch.Tensor], fmt: str) -> int:
+    return t["qweight"].shape[1] * (1 if fmt in ("int8", "fp8") else 2)

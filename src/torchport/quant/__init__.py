@@ -1,0 +1,273 @@
+"""Weight-only low-bit weights for ``nn.Linear`` layers on every device.
+
+``torchport.quantize(model, format)`` replaces the model's linear layers by :class:`QuantizedLinear` layers that
+keep their weight as low-bit codes plus scales (formats in :mod:`torchport.quant.formats`: ``int8``, ``fp8``,
+``int4``, ``mxfp4``, ``nvfp4``; ``fp4`` is ``nvfp4``) and decode it inside the matmul: a fused Triton kernel on
+CUDA, torch_npu's weight-quant matmul on Ascend (int8, int4), a plain-PyTorch reference elsewhere (see
+:mod:`torchport.kernels.lowbit_matmul`). Activations stay in the model's dtype. FP4 runs on every device: where
+the chip has no FP4 unit, the codes are decoded to the activation dtype in registers.
+
+:func:`save` / :func:`load` keep a quantised model in one safetensors file, with the formats in its metadata.
+
+Example:
+    >>> import torchport
+    >>> model = torchport.quantize(model, "int4", modules=lambda name, m: name != "lm_head")
+    >>> torchport.quant.weight_bytes(model)
+    >>> torchport.quant.save(model, "model-int4.safetensors")
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Union
+
+import torch
+from torch import nn
+
+from .formats import FORMATS, Format, QuantizationError, get_format, list_formats
+from .linear import QuantizedLinear
+
+__all__ = ["FORMATS", "Format", "QuantizationError", "QuantizedLinear", "default_format", "dequantize",
+           "get_format", "list_formats", "load", "quantize", "quantized_modules", "save", "weight_bytes"]
+
+logger = logging.getLogger("torchport")
+
+Selector = Union[None, str, Iterable[str], Callable[[str, nn.Module], bool]]
+_METADATA_KEY = "torchport.quant"
+_METADATA_VERSION = 1
+_probed: dict[tuple[str, str], str | None] = {}
+
+
+def default_format(device: torch.device | str | None = None) -> str:
+    """The low-bit format torchport's memory mode uses on ``device``: ``int4`` (groups of 128) everywhere.
+
+    It is the one format with a fused path on every accelerator torchport knows (Triton on CUDA/ROCm,
+    ``npu_weight_quant_batchmatmul`` on Ascend) and the most accurate of the 4-bit formats on random and real
+    weights (asymmetric scales per 128).
+
+    Example:
+        >>> default_format("cuda")
+        'int4'
+    """
+    return "int4"
+
+
+def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
+    """The :class:`QuantizedLinear` layers of ``model`` by qualified name.
+
+    Example:
+        >>> {name: layer.format for name, layer in quantized_modules(model).items()}
+        {'layers.0.mlp.up_proj': 'int4', ...}
+    """
+    return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, quantised layers counted by their codes and scales.
+
+    Example:
+        >>> weight_bytes(quantize(model, "int4")) / weight_bytes(original)
+    """
+    seen: set[int] = set()
+    total = 0
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen and t.numel():
+            continue
+        seen.add(t.data_ptr())
+        total += t.numel() * t.element_size()
+    return total
+
+
+def _select(model: nn.Module, modules: Selector) -> list[tuple[str, nn.Linear]]:
+    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear or
+               (isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear))]
+    if not linears:
+        raise QuantizationError(f"{type(model).__name__} has no nn.Linear layer to quantise")
+    if modules is None:
+        return linears
+    if callable(modules):
+        chosen = [(name, m) for name, m in linears if modules(name, m)]
+    else:
+        patterns = [modules] if isinstance(modules, str) else list(modules)
+        if not all(isinstance(p, str) for p in patterns):
+            raise QuantizationError(f"modules must be None, names or glob patterns, or a function (name, module) -> "
+                                    f"bool; got {modules!r}")
+        unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name, _ in linears)]
+        if unmatched:
+            examples = ", ".join(name for name, _ in linears[:6])
+            raise QuantizationError(f"modules {unmatched} match no nn.Linear of the model; its linear layers are named "
+                                    f"like: {examples}")
+        chosen = [(name, m) for name, m in linears if any(fnmatch.fnmatchcase(name, p) for p in patterns)]
+    if not chosen:
+        raise QuantizationError("the modules filter selected no nn.Linear layer")
+    return chosen
+
+
+def _tied(model: nn.Module) -> set[int]:
+    """ids of weights held by more than one module (tied embeddings and output layers)."""
+    owners: dict[int, int] = {}
+    for m in model.modules():
+        for p in m.parameters(recurse=False):
+            owners[id(p)] = owners.get(id(p), 0) + 1
+    return {pid for pid, count in owners.items() if count > 1}
+
+
+def _check_device(fmt: str, device: torch.device) -> None:
+    """Run a tiny layer of ``fmt`` on ``device`` once; a device that cannot run the format at all (no fused path and
+    no reference: a dtype its software stack lacks) is an error that names the formats that work."""
+    key = (fmt, device.type)
+    if key not in _probed:
+        try:
+            layer = QuantizedLinear.from_linear(nn.Linear(256, 16, bias=False, device=device), fmt)
+            layer(torch.ones(2, 256, device=device))
+            _probed[key] = None
+        except Exception as exc:  # the reason is reported, not the crash
+            _probed[key] = f"{type(exc).__name__}: {exc}"
+    reason = _probed[key]
+    if reason is not None:
+        working = [f for f in FORMATS if f != fmt and _probed.get((f, device.type), "") is None]
+        raise QuantizationError(f"format {fmt!r} cannot run on {device.type} here ({reason}); formats that ran on "
+                                f"this device: {', '.join(working) or 'none checked yet'}")
+
+
+def quantize(model: nn.Module, format: str, *, group_size: int | None = None, modules: Selector = None) -> nn.Module:
+    """Replace ``model``'s ``nn.Linear`` layers (all, or those ``modules`` selects) by :class:`QuantizedLinear`
+    layers holding their weights in ``format``; returns ``model``, changed in place.
+
+    Args:
+        model: the model; its layers are quantised on the device they are on.
+        format: ``int8``, ``fp8``, ``int4``, ``mxfp4``, ``nvfp4`` or ``fp4`` (= ``nvfp4``).
+        group_size: inputs per scale for ``int4`` (default 128; any even divisor of the layers' input features).
+            ``mxfp4`` and ``nvfp4`` have fixed blocks (32, 16); ``int8`` and ``fp8`` one scale per output channel.
+        modules: None (every ``nn.Linear``), a name or glob pattern or a list of them (``"*.mlp.*"``), or a
+            function ``(name, module) -> bool``. Layers whose weight is tied to another module (an output layer
+            sharing the embedding) are left as they are, with a warning.
+
+    Every selected layer is checked before any is changed: a group size that does not divide a layer's input
+    features, an unknown format, a model quantised already, a format the device cannot run at all are
+    :class:`QuantizationError` and the model stays untouched.
+
+    Example:
+        >>> torchport.quantize(model, "fp4", modules=lambda name, m: "lm_head" not in name)
+    """
+    fmt = get_format(format)
+    if quantized_modules(model):
+        raise QuantizationError(
+            f"{type(model).__name__} is quantised already ({len(quantized_modules(model))} QuantizedLinear layers); "
+            f"quantise a model once, from its original weights (torchport.quant.dequantize(model) gives back dense "
+            f"layers, with the rounding of the first quantisation)"
+        )
+    chosen = _select(model, modules)
+    tied = _tied(model)
+    skipped = [name for name, m in chosen if id(m.weight) in tied]
+    if skipped:
+        logger.warning("torchport.quantize: %s left unquantised: their weights are tied to another module", skipped)
+    chosen = [(name, m) for name, m in chosen if id(m.weight) not in tied]
+    for name, m in chosen:
+        try:
+            fmt.group_size(group_size, m.in_features)
+        except QuantizationError as exc:
+            raise QuantizationError(f"layer {name!r}: {exc}") from None
+        if not m.weight.is_floating_point():
+            raise QuantizationError(f"layer {name!r} has a {m.weight.dtype} weight; only floating weights quantise")
+    for device in {m.weight.device for _, m in chosen}:
+        if device.type != "meta":
+            _check_device(fmt.name, device)
+    for name, m in chosen:
+        _replace(model, name, QuantizedLinear.from_linear(m, fmt.name, group_size))
+    return model
+
+
+def _replace(model: nn.Module, name: str, new: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, new)
+
+
+def dequantize(model: nn.Module) -> nn.Module:
+    """Replace every :class:`QuantizedLinear` of ``model`` by an ``nn.Linear`` with the dequantised weight (the
+    rounding of the quantisation stays); returns ``model``.
+
+    Example:
+        >>> dequantize(quantize(model, "int8"))
+    """
+    for name, layer in quantized_modules(model).items():
+        dense = nn.Linear(layer.in_features, layer.out_features, bias=False, device="meta")
+        dense.weight = nn.Parameter(layer.dequantized_weight(), requires_grad=False)
+        dense.bias = layer.bias
+        _replace(model, name, dense)
+    return model
+
+
+def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
+    """Save a (partly) quantised model's state in one safetensors file; the formats go in its metadata.
+
+    Example:
+        >>> save(quantize(model, "int4"), "model-int4.safetensors")
+    """
+    from safetensors.torch import save_model
+
+    layers = {name: {"format": layer.format, "group_size": layer.group_size, "in_features": layer.in_features,
+                     "out_features": layer.out_features, "bias": layer.bias is not None,
+                     "dtype": str(layer.dtype).removeprefix("torch.")}
+              for name, layer in quantized_modules(model).items()}
+    metadata = {_METADATA_KEY: json.dumps({"version": _METADATA_VERSION, "layers": layers})}
+    save_model(model, os.fspath(path), metadata=metadata)
+
+
+def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device | str | None = None) -> nn.Module:
+    """Load a file written by :func:`save` into ``model`` (the same architecture, unquantised, e.g. built on the
+    ``meta`` device or from its config): the layers the file holds quantised are replaced first, then every
+    tensor is loaded (strictly: a missing or unexpected tensor is an error). Returns ``model``.
+
+    Example:
+        >>> model = load(LlamaForCausalLM(config), "model-int4.safetensors", device="cuda")
+    """
+    from safetensors import safe_open
+    from safetensors.torch import load_model
+
+    with safe_open(os.fspath(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    if _METADATA_KEY not in metadata:
+        raise QuantizationError(f"{os.fspath(path)} was not written by torchport.quant.save (no {_METADATA_KEY!r} "
+                                f"metadata); load a plain checkpoint with torchport.load_safetensors")
+    info = json.loads(metadata[_METADATA_KEY])
+    if info.get("version") != _METADATA_VERSION:
+        raise QuantizationError(f"{os.fspath(path)} has torchport.quant metadata version {info.get('version')}; "
+                                f"this torchport reads version {_METADATA_VERSION}")
+    layers: Mapping[str, dict] = info["layers"]
+    if device is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
+        device = "cpu"
+    present = {name for name, m in model.named_modules()}
+    missing = sorted(set(layers) - present)
+    if missing:
+        raise QuantizationError(f"{os.fspath(path)} has quantised layers the model lacks: {missing[:8]}")
+    for name, spec in layers.items():
+        current = model.get_submodule(name)
+        if isinstance(current, QuantizedLinear):
+            if (current.format, current.group_size) != (spec["format"], spec["group_size"]):
+                raise QuantizationError(f"layer {name!r} is quantised as {current.format}/{current.group_size}; the "
+                                        f"file holds {spec['format']}/{spec['group_size']}")
+            continue
+        if not isinstance(current, nn.Linear) or (current.in_features, current.out_features) != (
+                spec["in_features"], spec["out_features"]):
+            raise QuantizationError(f"layer {name!r} of the model is {current!r}; the file holds a "
+                                    f"{spec['in_features']}->{spec['out_features']} linear layer")
+        target = device if device is not None else current.weight.device
+        if torch.device(target).type == "meta":
+            target = "cpu"
+        _replace(model, name, QuantizedLinear(spec["in_features"], spec["out_features"], spec["format"],
+                                              spec["group_size"], bias=spec["bias"],
+                                              dtype=getattr(torch, spec["dtype"]), device=target))
+    if device is not None:
+        model.to_empty(device=device) if any(p.is_meta for p in model.parameters()) else model.to(device)
+    missing_keys, unexpected = load_model(model, os.fspath(path), strict=False,
+                                          device=str(device) if device is not None else "cpu")
+    if missing_keys or unexpected:
+        raise QuantizationError(f"{os.fspath(path)} does not fit the model: missing {sorted(missing_keys)[:8]}, "
+                                f"unexpected {sorted(unexpected)[:8]}")
+    return model

@@ -1,0 +1,113 @@
+"""``QuantizedLinear``: an ``nn.Linear`` whose weight is held in a low-bit format and decoded inside the matmul."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels.lowbit_matmul import lowbit_linear
+from .formats import Format, get_format
+
+__all__ = ["QuantizedLinear"]
+
+_TENSORS = ("qweight", "scale", "offset", "global_scale")
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer with weight-only low-bit storage: activations, bias and output stay in ``dtype``.
+
+    The codes and scales are buffers (they move with ``.to(device)`` and are saved in ``state_dict``); a dtype
+    conversion of the module (``.half()``, ``.to(torch.bfloat16)``) changes the compute dtype and the bias only, never
+    the stored codes. Build one from a layer with :meth:`from_linear` (what :func:`torchport.quantize` does).
+
+    Example:
+        >>> layer = QuantizedLinear.from_linear(nn.Linear(4096, 4096, dtype=torch.bfloat16), "int4")
+        >>> y = layer(x)                    # == x @ layer.dequantized_weight().T, fused where the device allows
+    """
+
+    def __init__(self, in_features: int, out_features: int, format: str, group_size: int | None = None, *,
+                 bias: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        fmt = get_format(format)
+        self.in_features, self.out_features = in_features, out_features
+        self.format: str = fmt.name
+        self.group_size: int = fmt.group_size(group_size, in_features)
+        self.dtype: torch.dtype = dtype or torch.get_default_dtype()
+        self._cache: dict[str, Any] = {}
+        # Placeholders of the right shapes and dtypes, so that a state dict saved from a quantised model loads.
+        example = fmt.quantize(torch.zeros(1, in_features, dtype=self.dtype), self.group_size)
+        for name in _TENSORS:
+            if name in example:
+                t = example[name]
+                shape = (out_features, *t.shape[1:]) if t.dim() else ()
+                self.register_buffer(name, torch.zeros(shape, dtype=t.dtype, device=device))
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=self.dtype, device=device)) if bias else None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, format: str, group_size: int | None = None) -> QuantizedLinear:
+        """Quantise ``linear``'s weight into ``format``; the bias is kept as it is (same Parameter).
+
+        Quantising runs on the weight's device, in float32.
+        """
+        weight = linear.weight.detach()
+        layer = cls(linear.in_features, linear.out_features, format, group_size, bias=False, dtype=weight.dtype,
+                    device="meta")
+        tensors = get_format(format).quantize(weight, layer.group_size)
+        for name, value in tensors.items():
+            setattr(layer, name, value.contiguous())
+        layer.bias = linear.bias
+        return layer
+
+    @property
+    def format_spec(self) -> Format:
+        return get_format(self.format)
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The format's tensors (``qweight``, ``scale``, and ``offset`` / ``global_scale`` by format)."""
+        return {name: getattr(self, name) for name in _TENSORS if hasattr(self, name)}
+
+    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The dense ``(out_features, in_features)`` weight these codes stand for, in ``dtype`` (default: the
+        layer's compute dtype)."""
+        return self.format_spec.dequantize(self.tensors(), dtype or self.dtype)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dequantised weight (computed on each access, for code that reads ``layer.weight``; the forward never
+        builds it at decode sizes)."""
+        return self.dequantized_weight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias,
+                             dequantize=self.format_spec.dequantize, cache=self._cache)
+
+    def nbytes(self) -> int:
+        """Bytes of the stored weight: codes and scales (the bias not counted)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantizedLinear:
+        # nn.Module converts every floating buffer with fn, which would turn float8 codes or scales into the
+        # target dtype. Learn where fn sends a tensor of the compute dtype, and move the codes there unconverted.
+        probe = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device))
+        for name in _TENSORS:
+            if hasattr(self, name):
+                t = getattr(self, name)
+                if t.is_meta:  # to_empty(): new storage, filled by a state-dict load
+                    self._buffers[name] = torch.empty_like(t, device=probe.device)
+                elif t.device != probe.device:
+                    self._buffers[name] = t.to(probe.device)
+        if self.bias is not None:
+            moved = fn(self.bias.data)
+            if moved is not self.bias.data:
+                self.bias.data = moved
+        if probe.is_floating_point():
+            self.dtype = probe.dtype
+        self._cache.clear()
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
+                f"group_size={self.group_size}, bias={self.bias is not None}, dtype={self.dtype}")
