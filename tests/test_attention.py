@@ -195,7 +195,9 @@ def test_fused_attention_matches_sdpa(device: torch.device, case: str, dtype: to
         out.backward(grad.to(dev))
         return [out.detach().cpu()] + [t.grad.cpu() for t in inputs]
 
-    expected = run(sdpa_attention_forward, torch.device("cpu"))
+    # SDPA on the same device is the reference: SDPA's kernels disagree across devices on rows with nothing to
+    # attend to (CUDA's bf16 kernels do not give the zeros the CPU gives; seen on an H100, torch 2.11)
+    expected = run(sdpa_attention_forward, device)
     got = run(forward, device)
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, expected):
         assert torch.isfinite(a).all(), name
@@ -305,7 +307,7 @@ def test_hook_turns_a_flash_request_into_the_best_with_one_warning(hook) -> None
     with pytest.raises(ImportError, match="[Ff]lash"):
         _build(attn_implementation="flash_attention_2")
     hook.install_hook()
-    assert hook.hook_installed() == {"default": False}
+    assert hook.hook_installed() == {"default": False, "device": None}
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = _build(attn_implementation="flash_attention_2")

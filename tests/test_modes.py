@@ -187,8 +187,7 @@ def test_memory_mode_moves_a_host_model_to_the_device(npu: torch.device) -> None
     pytest.importorskip("torchport.quant")
     model = _llama()
     before = _state(model)
-    with torchport.settings.override(device="npu"):
-        report = torchport.enable("memory", model)
+    report = torchport.enable("memory", model, device=npu)
     rows = {row.setting: row for row in report.rows}
     assert report.device == "npu:0" and rows["placement"].after == "npu:0" and "fit the budget" in rows["placement"].note
     assert rows["attention"].after == "npu_fusion_attention"  # chosen for where the model runs, not where it was
@@ -339,7 +338,7 @@ def test_global_mode_reaches_models_built_later_and_disable_restores_the_process
     rows = {row.setting: row for row in report.rows}
     assert report.target == "process" and rows["transformers classes"].changed
     assert models.patched_families() == models.supported()
-    assert attention.hook_installed() == {"default": True}
+    assert attention.hook_installed() == {"default": True, "device": target}
     from transformers.models.llama import modeling_llama
 
     model = transformers.AutoModelForCausalLM.from_pretrained(saved_llama)
@@ -359,6 +358,22 @@ def test_global_mode_reaches_models_built_later_and_disable_restores_the_process
     assert model.config._attn_implementation == attention.best(target)
 
 
+def test_global_mode_for_another_device_than_detected(npu: torch.device) -> None:
+    report = torchport.enable("balanced", device="cpu")  # torchport run --device cpu on an accelerator machine
+    assert report.device == "cpu" and attention.hook_installed() == {"default": True, "device": torch.device("cpu")}
+    assert _llama_default().config._attn_implementation == "sdpa"
+    torchport.disable()
+    report = torchport.enable("balanced", device=npu)
+    assert _llama_default().config._attn_implementation == "npu_fusion_attention"
+    torchport.disable()
+    with pytest.raises(ValueError, match="'gpu' is not a device type"):
+        torchport.enable("balanced", device="gpu")
+
+
+def _llama_default() -> nn.Module:
+    return transformers.AutoModelForCausalLM.from_config(_config())
+
+
 def test_global_mode_keeps_families_the_program_patched_itself() -> None:
     torchport.patch_transformers("llama")
     try:
@@ -374,9 +389,9 @@ def test_global_mode_keeps_a_hook_the_program_installed() -> None:
     attention.install_hook(default=False)
     try:
         torchport.enable("balanced")
-        assert attention.hook_installed() == {"default": True}
+        assert attention.hook_installed() == {"default": True, "device": torchport.device()}
         torchport.disable()
-        assert attention.hook_installed() == {"default": False}
+        assert attention.hook_installed() == {"default": False, "device": None}
     finally:
         attention.remove_hook()
 

@@ -259,10 +259,14 @@ def apply(model: nn.Module, implementation: str | None = None, *, device: Device
 
 
 # -- the hook on transformers' attention check -------------------------------------------------------------------------
-_hook: dict[str, Any] = {}  # "original": transformers' check, "default": whether unset requests get the best
+# "original": transformers' check; "default": whether unset requests get the best; "device": the device chosen for
+# (None: torchport.device() when each model is built)
+_hook: dict[str, Any] = {}
 
 
 def _device_for_new_models() -> torch.device:
+    if _hook.get("device") is not None:
+        return _hook["device"]
     from .device import device
 
     return device()
@@ -297,15 +301,15 @@ def _hooked_check(original: Callable[..., str]) -> Callable[..., str]:
     return check
 
 
-def install_hook(default: bool = False) -> None:
+def install_hook(default: bool = False, device: DeviceLike = None) -> None:
     """Make transformers take torchport's attention choice where it would fail or has no preference.
 
     A model asking for ``flash_attention_2`` / ``_3`` / ``_4`` that cannot run here (flash-attn missing, a GPU too old,
-    a model class without flash support) gets the best available implementation for :func:`torchport.device`
-    instead of transformers' ImportError or ValueError, with one warning per request. With ``default=True``, models
-    built without an ``attn_implementation`` (``from_pretrained``, ``from_config``, the constructor) also get the
-    best one instead of transformers' default, SDPA. Installing again changes ``default``; :func:`remove_hook`
-    undoes it. This is transformers' attention check (``PreTrainedModel._check_and_adjust_attn_implementation``,
+    a model class without flash support) gets the best available implementation for ``device`` (default:
+    :func:`torchport.device` when the model is built) instead of transformers' ImportError or ValueError, with one
+    warning per request. With ``default=True``, models built without an ``attn_implementation``
+    (``from_pretrained``, ``from_config``, the constructor) also get the best one instead of transformers' default,
+    SDPA. Installing again changes ``default`` and ``device``; :func:`remove_hook` undoes it. This is transformers' attention check (``PreTrainedModel._check_and_adjust_attn_implementation``,
     run when a model is built and by ``set_attn_implementation``), wrapped.
 
     Example:
@@ -314,6 +318,10 @@ def install_hook(default: bool = False) -> None:
     """
     from transformers import PreTrainedModel
 
+    chosen = None
+    if device is not None:
+        backend, index = resolve(device)
+        chosen = backend.device(index)
     register()
     with _lock:
         if not _hook:
@@ -321,6 +329,7 @@ def install_hook(default: bool = False) -> None:
             PreTrainedModel._check_and_adjust_attn_implementation = _hooked_check(original)
             _hook["original"] = original
         _hook["default"] = bool(default)
+        _hook["device"] = chosen
 
 
 def remove_hook() -> None:
@@ -337,12 +346,13 @@ def remove_hook() -> None:
             _hook.clear()
 
 
-def hook_installed() -> dict[str, bool] | None:
-    """``{"default": bool}`` while :func:`install_hook` is in effect, else None.
+def hook_installed() -> dict[str, Any] | None:
+    """``{"default": bool, "device": torch.device or None}`` (what :func:`install_hook` was given) while the hook is
+    in effect, else None.
 
     Example:
         >>> torchport.attention.hook_installed()
-        {'default': False}
+        {'default': False, 'device': None}
     """
     with _lock:
-        return {"default": _hook["default"]} if _hook else None
+        return {"default": _hook["default"], "device": _hook["device"]} if _hook else None

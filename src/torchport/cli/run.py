@@ -70,7 +70,7 @@ def handle(args: argparse.Namespace) -> int:
         from .. import modes
 
         os.environ["TORCHPORT_MODE"] = mode  # a program that starts `torchport run` again (torchrun) keeps it
-        enabled = modes.enable(mode)
+        enabled = modes.enable(mode, device=device)
         if report:
             print(enabled, file=sys.stderr)
     try:

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from .. import _settings
+from ..device import DeviceLike, resolve
 from ..device import device as default_device
 from . import process, steps
 from .journal import Journal
@@ -85,16 +86,18 @@ def _check_mode(mode: str | None) -> str:
     return mode.strip().lower()
 
 
-def enable(mode: str | None = None, model: nn.Module | None = None, *, example: Any = None,
-           budget: int | float | str | None = None) -> Report:
+def enable(mode: str | None = None, model: nn.Module | None = None, *, device: DeviceLike = None,
+           example: Any = None, budget: int | float | str | None = None) -> Report:
     """Switch torchport to ``mode`` for ``model`` (changed in place), or, without a model, for the models the
     program builds from now on (see the module docstring for what each mode changes and what ``model=None`` means).
 
     Args:
         mode: ``"speed"``, ``"balanced"`` or ``"memory"``; None reads ``TORCHPORT_MODE``.
         model: a model on one device (a transformers model, a PEFT model, or any ``nn.Module``); memory mode also
-            takes a model on the host and places it on :func:`torchport.device`, offloading blocks when its
-            weights exceed ``budget``.
+            takes a model on the host and places it on ``device``, offloading blocks when its weights exceed
+            ``budget``.
+        device: the device the models run on (default :func:`torchport.device`): what the choices are made for
+            without a model, and where memory mode places a model that is on the host.
         example: speed mode: inputs to check that the model compiles cleanly (a tensor, a tuple of positional
             arguments, or a dict of keyword arguments); transformers models with ``input_ids`` get one of 8 tokens.
         budget: memory mode: device bytes for the weights, in :func:`torchport.offload`'s forms (default 0.8 of
@@ -134,8 +137,9 @@ def enable(mode: str | None = None, model: nn.Module | None = None, *, example: 
                                f"{current.target}; call torchport.disable() first")
         journal = Journal()
         try:
-            report = _enable_model(mode, model, example, budget, journal) if model is not None else \
-                _enable_process(mode, journal)
+            present = default_device() if device is None else _device(device)
+            report = _enable_model(mode, model, present, example, budget, journal) if model is not None else \
+                _enable_process(mode, present, journal)
         except BaseException:
             failures = journal.run()
             if failures:
@@ -148,9 +152,14 @@ def enable(mode: str | None = None, model: nn.Module | None = None, *, example: 
     return report
 
 
-def _enable_model(mode: str, model: nn.Module, example: Any, budget: Any, journal: Journal) -> Report:
+def _device(spec: DeviceLike) -> torch.device:
+    backend, index = resolve(spec, source="device")
+    return backend.device(index)
+
+
+def _enable_model(mode: str, model: nn.Module, present: torch.device, example: Any, budget: Any,
+                  journal: Journal) -> Report:
     where = steps.placement(model)
-    present = default_device()
     # memory mode places a model that is on the host; the other modes leave the model where it is
     target = present if mode == "memory" and (where is None or where.type == "cpu") else where or present
     hf = steps.transformers_model(model)
@@ -173,8 +182,7 @@ def _enable_model(mode: str, model: nn.Module, example: Any, budget: Any, journa
     return report
 
 
-def _enable_process(mode: str, journal: Journal) -> Report:
-    target = default_device()
+def _enable_process(mode: str, target: torch.device, journal: Journal) -> Report:
     report = Report(mode, "process", str(target))
     if importlib.util.find_spec("transformers") is None:
         report.add("transformers models", "-", "-", "transformers is not installed")

@@ -36,14 +36,14 @@ def step_hook(device: torch.device, journal: Journal, report: Report) -> None:
     from .. import attention
 
     before = attention.hook_installed()
-    attention.install_hook(default=True)
+    attention.install_hook(default=True, device=device)
     if before is None:
         journal.undo(attention.remove_hook)
     else:
-        journal.undo(lambda: attention.install_hook(default=before["default"]))
+        journal.undo(lambda: attention.install_hook(**before))
     report.add("attention of new models", "transformers' default; flash requests fail without flash-attn",
                f"{attention.best(device)} on {device}; flash requests fall back with one warning",
-               "torchport.attention.install_hook(default=True)")
+               "torchport.attention.install_hook(default=True, device=...)")
 
 
 def step_from_pretrained(mode: str, device: torch.device, journal: Journal, report: Report) -> None:
