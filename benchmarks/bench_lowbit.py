@@ -12,6 +12,9 @@ embedding stays bf16. For each contender:
 * **accuracy**: logits of a 256-token prompt against the bf16 model's: relative error (Frobenius) and the mean
   KL divergence ``KL(p_bf16 || p_quantised)`` per position, in float32.
 
+RMSNorm, RoPE and SwiGLU run as torchport's fused kernels for every contender (``--plain-ops``: plain PyTorch, whose
+~20 small kernels per layer cost about 2.5 ms of an H100's 8 ms bf16 step and hide the linear layers' speed-up).
+
 Contenders: ``bf16``; ``torchport-{int8,fp8,int4,mxfp4,nvfp4}`` (``torchport.quantize``); ``torchao-{int8,fp8,int4,
 nvfp4}`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``,
 ``Int4WeightOnlyConfig`` in tinygemm's ``tile_packed_to_4d`` layout, which needs only torch, and
@@ -62,30 +65,68 @@ class Block(nn.Module):
         self.down_proj = nn.Linear(c["intermediate"], h, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: tuple[torch.Tensor, torch.Tensor],
-                positions: torch.Tensor, decode: bool) -> torch.Tensor:
+                positions: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
         b, t, _ = x.shape
-        a = F.rms_norm(x, (x.shape[-1],), self.attn_norm, 1e-5)
+        a = OPS.rms_norm(x, self.attn_norm, 1e-5)
         q = self.q_proj(a).view(b, t, self.heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(a).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
         v = self.v_proj(a).view(b, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = OPS.rope(q, k, cos, sin)
         cache_k, cache_v = cache
         cache_k.index_copy_(2, positions, k)
         cache_v.index_copy_(2, positions, v)
-        if decode:  # attend to the cache up to this position
-            mask = (torch.arange(cache_k.shape[2], device=x.device) <= positions[-1]).view(1, 1, 1, -1)
+        if mask is not None:  # decode: attend to the cache up to this position
             o = F.scaled_dot_product_attention(q, cache_k, cache_v, attn_mask=mask, enable_gqa=True)
         else:
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         x = x + self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
-        m = F.rms_norm(x, (x.shape[-1],), self.mlp_norm, 1e-5)
-        return x + self.down_proj(F.silu(self.gate_proj(m)) * self.up_proj(m))
+        m = OPS.rms_norm(x, self.mlp_norm, 1e-5)
+        return x + self.down_proj(OPS.swiglu(self.gate_proj(m), self.up_proj(m)))
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+class PlainOps:
+    """RMSNorm, RoPE and SwiGLU in plain PyTorch (``--plain-ops``)."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    @staticmethod
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        def rotate(x: torch.Tensor) -> torch.Tensor:
+            half = x.shape[-1] // 2
+            return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+        return rotate(q), rotate(k)
+
+    @staticmethod
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+
+class FusedOps:
+    """torchport's fused kernels (the default: what ``torchport.patch`` gives a Hugging Face Llama), the same for
+    every contender, so that the step is not dominated by the launches of small element-wise kernels."""
+
+    @staticmethod
+    def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        from torchport import kernels
+
+        return kernels.rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        from torchport import kernels
+
+        return kernels.rope(q, k, cos, sin)
+
+    @staticmethod
+    def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        from torchport import kernels
+
+        return kernels.swiglu(gate, up)
+
+
+OPS: type = FusedOps
 
 
 class Llama(nn.Module):
@@ -104,9 +145,12 @@ class Llama(nn.Module):
         angles = torch.cat((angles, angles), dim=-1)
         cos, sin = angles.cos().to(self.embed.weight.dtype), angles.sin().to(self.embed.weight.dtype)
         x = self.embed(tokens)
+        mask = None
+        if decode:
+            mask = (torch.arange(caches[0][0].shape[2], device=x.device) <= positions[-1]).view(1, 1, 1, -1)
         for layer, cache in zip(self.layers, caches):
-            x = layer(x, cos, sin, cache, positions, decode)
-        return self.lm_head(F.rms_norm(x, (x.shape[-1],), self.norm, 1e-5))
+            x = layer(x, cos, sin, cache, positions, mask)
+        return self.lm_head(OPS.rms_norm(x, self.norm, 1e-5))
 
 
 def build(c: dict[str, int], device: torch.device) -> Llama:
@@ -347,8 +391,11 @@ def main() -> None:
     parser.add_argument("--no-torchao", action="store_true", help="leave torchao out")
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
+    parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
+    global OPS
+    OPS = PlainOps if args.plain_ops else FusedOps
     rows = run(args)
     print(table(rows))
     if args.json:
@@ -357,7 +404,8 @@ def main() -> None:
 
         device = torch.device(args.device) if args.device else torchport.device()
         meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__, "shape": "small" if args.small else "8b",
-                "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens}
+                "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens,
+                "ops": "plain" if args.plain_ops else "torchport kernels"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -116,14 +116,14 @@ def _tied(model: nn.Module) -> set[int]:
     return {pid for pid, count in owners.items() if count > 1}
 
 
-def _check_device(fmt: str, device: torch.device) -> None:
+def _check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
     """Run a tiny layer of ``fmt`` on ``device`` once; a device that cannot run the format at all (no fused path and
     no reference: a dtype its software stack lacks) is an error that names the formats that work."""
     key = (fmt, device.type)
     if key not in _probed:
         try:
-            layer = QuantizedLinear.from_linear(nn.Linear(256, 16, bias=False, device=device), fmt)
-            layer(torch.ones(2, 256, device=device))
+            layer = QuantizedLinear.from_linear(nn.Linear(256, 16, bias=False, device=device, dtype=dtype), fmt)
+            layer(torch.ones(2, 256, device=device, dtype=dtype))
             _probed[key] = None
         except Exception as exc:  # the reason is reported, not the crash
             _probed[key] = f"{type(exc).__name__}: {exc}"
@@ -136,7 +136,8 @@ def _check_device(fmt: str, device: torch.device) -> None:
 
 def quantize(model: nn.Module, format: str, *, group_size: int | None = None, modules: Selector = None) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers (all, or those ``modules`` selects) by :class:`QuantizedLinear`
-    layers holding their weights in ``format``; returns ``model``, changed in place.
+    layers holding their weights in ``format``; returns ``model``, changed in place (a bare ``nn.Linear`` is
+    returned as a new :class:`QuantizedLinear`).
 
     Args:
         model: the model; its layers are quantised on the device they are on.
@@ -171,14 +172,18 @@ def quantize(model: nn.Module, format: str, *, group_size: int | None = None, mo
         try:
             fmt.group_size(group_size, m.in_features)
         except QuantizationError as exc:
-            raise QuantizationError(f"layer {name!r}: {exc}") from None
+            raise QuantizationError(f"layer {name or type(m).__name__!r}: {exc}") from None
         if not m.weight.is_floating_point():
-            raise QuantizationError(f"layer {name!r} has a {m.weight.dtype} weight; only floating weights quantise")
-    for device in {m.weight.device for _, m in chosen}:
+            raise QuantizationError(f"layer {name or type(m).__name__!r} has a {m.weight.dtype} weight; only floating "
+                                    f"weights quantise")
+    for device, dtype in {(m.weight.device, m.weight.dtype) for _, m in chosen}:
         if device.type != "meta":
-            _check_device(fmt.name, device)
+            _check_device(fmt.name, device, dtype)
     for name, m in chosen:
-        _replace(model, name, QuantizedLinear.from_linear(m, fmt.name, group_size))
+        layer = QuantizedLinear.from_linear(m, fmt.name, group_size)
+        if not name:  # the model is itself a linear layer: the quantised layer is returned instead
+            return layer
+        _replace(model, name, layer)
     return model
 
 
@@ -203,32 +208,43 @@ def dequantize(model: nn.Module) -> nn.Module:
     return model
 
 
+def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict's entries, each tied tensor under its first name only (as ``named_parameters`` lists them)."""
+    keys = set(model.state_dict(keep_vars=True))
+    unique = dict(model.named_parameters())
+    unique.update(model.named_buffers())
+    return {name: t for name, t in unique.items() if name in keys}
+
+
 def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Save a (partly) quantised model's state in one safetensors file; the formats go in its metadata.
+    """Save a (partly) quantised model's state in one safetensors file; the formats go in its metadata. Tied
+    tensors are stored once.
 
     Example:
         >>> save(quantize(model, "int4"), "model-int4.safetensors")
     """
-    from safetensors.torch import save_model
+    from safetensors.torch import save_file
 
     layers = {name: {"format": layer.format, "group_size": layer.group_size, "in_features": layer.in_features,
                      "out_features": layer.out_features, "bias": layer.bias is not None,
                      "dtype": str(layer.dtype).removeprefix("torch.")}
               for name, layer in quantized_modules(model).items()}
     metadata = {_METADATA_KEY: json.dumps({"version": _METADATA_VERSION, "layers": layers})}
-    save_model(model, os.fspath(path), metadata=metadata)
+    tensors = {name: t.detach().to("cpu").contiguous() for name, t in _unique_state(model).items()}
+    save_file(tensors, os.fspath(path), metadata=metadata)
 
 
 def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device | str | None = None) -> nn.Module:
     """Load a file written by :func:`save` into ``model`` (the same architecture, unquantised, e.g. built on the
     ``meta`` device or from its config): the layers the file holds quantised are replaced first, then every
-    tensor is loaded (strictly: a missing or unexpected tensor is an error). Returns ``model``.
+    tensor is loaded (strictly: a missing or unexpected tensor is an error). Returns ``model``, on ``device``
+    (default: where its parameters are; the CPU for a model on the meta device).
 
     Example:
         >>> model = load(LlamaForCausalLM(config), "model-int4.safetensors", device="cuda")
     """
     from safetensors import safe_open
-    from safetensors.torch import load_model
+    from safetensors.torch import load_file
 
     with safe_open(os.fspath(path), framework="pt") as f:
         metadata = f.metadata() or {}
@@ -240,8 +256,10 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
         raise QuantizationError(f"{os.fspath(path)} has torchport.quant metadata version {info.get('version')}; "
                                 f"this torchport reads version {_METADATA_VERSION}")
     layers: Mapping[str, dict] = info["layers"]
-    if device is None and any(t.is_meta for t in [*model.parameters(), *model.buffers()]):
-        device = "cpu"
+    state = [*model.parameters(), *model.buffers()]
+    on_meta = any(t.is_meta for t in state)
+    if device is None:
+        device = next((t.device for t in state if not t.is_meta), torch.device("cpu"))
     present = {name for name, m in model.named_modules()}
     missing = sorted(set(layers) - present)
     if missing:
@@ -257,17 +275,19 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
                 spec["in_features"], spec["out_features"]):
             raise QuantizationError(f"layer {name!r} of the model is {current!r}; the file holds a "
                                     f"{spec['in_features']}->{spec['out_features']} linear layer")
-        target = device if device is not None else current.weight.device
-        if torch.device(target).type == "meta":
-            target = "cpu"
         _replace(model, name, QuantizedLinear(spec["in_features"], spec["out_features"], spec["format"],
                                               spec["group_size"], bias=spec["bias"],
-                                              dtype=getattr(torch, spec["dtype"]), device=target))
-    if device is not None:
-        model.to_empty(device=device) if any(p.is_meta for p in model.parameters()) else model.to(device)
-    missing_keys, unexpected = load_model(model, os.fspath(path), strict=False,
-                                          device=str(device) if device is not None else "cpu")
+                                              dtype=getattr(torch, spec["dtype"]), device="meta" if on_meta else device))
+    if on_meta:
+        model.to_empty(device=device)
+    else:
+        model.to(device)
+    tensors = load_file(os.fspath(path), device="cpu")
+    expected = set(_unique_state(model))
+    missing_keys = sorted(expected - set(tensors))
+    unexpected = sorted(set(tensors) - set(model.state_dict()))
     if missing_keys or unexpected:
-        raise QuantizationError(f"{os.fspath(path)} does not fit the model: missing {sorted(missing_keys)[:8]}, "
-                                f"unexpected {sorted(unexpected)[:8]}")
+        raise QuantizationError(f"{os.fspath(path)} does not fit the model: missing {missing_keys[:8]}, "
+                                f"unexpected {unexpected[:8]}")
+    model.load_state_dict(tensors, strict=False)
     return model

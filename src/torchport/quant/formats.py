@@ -89,7 +89,7 @@ class Format:
                 )
             group = self.fixed_group
         elif requested is None:
-            group = self.default_group or in_features
+            group = _default_group(self.default_group, in_features)
         else:
             if not isinstance(requested, int) or isinstance(requested, bool) or requested <= 0:
                 raise QuantizationError(f"group_size must be a positive integer or None; got {requested!r}")
@@ -112,6 +112,17 @@ class Format:
         """Stored bits per weight: the codes plus the scales of one group (``scale_bytes`` each)."""
         per_group = {"int4": 2 * scale_bytes, "mxfp4": 1, "nvfp4": 1}.get(self.name, 4)
         return self.code_bits + 8 * per_group / group
+
+
+def _default_group(default: int | None, in_features: int) -> int:
+    """``default`` where it divides ``in_features``; else the largest even divisor between 32 and ``default``;
+    else one group per row (a layer of 200 inputs gets groups of 100, one of 64 a single group)."""
+    if default is None or in_features % default == 0:
+        return default or in_features
+    for group in range(min(default, in_features), 31, -1):
+        if in_features % group == 0 and group % 2 == 0:
+            return group
+    return in_features
 
 
 FORMATS: dict[str, Format] = {}

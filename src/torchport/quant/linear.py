@@ -102,7 +102,10 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             moved = fn(self.bias.data)
             if moved is not self.bias.data:
-                self.bias.data = moved
+                if torch._has_compatible_shallow_copy_type(self.bias.data, moved):
+                    self.bias.data = moved
+                else:  # another device's tensor type (as nn.Module._apply does)
+                    self.bias = nn.Parameter(moved, requires_grad=self.bias.requires_grad)
         if probe.is_floating_point():
             self.dtype = probe.dtype
         self._cache.clear()

@@ -261,3 +261,85 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
 OPS[npu_fusion_attention.__name__] = npu_fusion_attention
 enabled.add(npu_fusion_attention.__name__)
+
+
+def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0) -> torch.Tensor:
+    """``torch_npu.npu_convert_weight_to_int4pack``: int32 ``(k, n)`` with values in [-8, 7] -> int32 ``(k, n / 8)``.
+
+    Contract (torch_npu documentation): 2-D contiguous int32 input, last dimension a multiple of 8, values inside
+    int4's range; eight codes per int32. torch_npu's order inside a word is its own; the simulation puts code ``i``
+    of a word in bits ``4i..4i+3``, and :func:`npu_weight_quant_batchmatmul` reads it back the same way.
+    """
+    calls["npu_convert_weight_to_int4pack"] += 1
+    if weight.dtype != torch.int32 or weight.dim() != 2 or not weight.is_contiguous():
+        raise RuntimeError("npu_convert_weight_to_int4pack: weight must be a contiguous 2-D int32 tensor")
+    if weight.shape[-1] % 8:
+        raise RuntimeError(f"npu_convert_weight_to_int4pack: the last dimension ({weight.shape[-1]}) must be a "
+                           f"multiple of 8")
+    if ((weight < -8) | (weight > 7)).any():
+        raise RuntimeError("npu_convert_weight_to_int4pack: values must lie in int4's range [-8, 7]")
+    nibbles = (weight & 0xF).to(torch.int64).reshape(*weight.shape[:-1], -1, 8)
+    shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int64)
+    words = (nibbles << shifts).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _unpack_int4(words: torch.Tensor) -> torch.Tensor:
+    shifts = torch.arange(0, 32, 4, device=words.device, dtype=torch.int32)
+    nibbles = (words.unsqueeze(-1) >> shifts) & 0xF
+    return torch.where(nibbles >= 8, nibbles - 16, nibbles).reshape(*words.shape[:-1], -1)
+
+
+def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
+                                 antiquant_offset: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None,
+                                 quant_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None,
+                                 antiquant_group_size: int = 0, inner_precise: int = 0) -> torch.Tensor:
+    """``torch_npu.npu_weight_quant_batchmatmul``: ``x @ ((weight + antiquant_offset) * antiquant_scale) + bias``.
+
+    Contract (torch_npu documentation, Atlas A2/A3): x ``(M, K)`` fp16/bf16; weight ``(K, N)`` int8, or int32 ``(K,
+    N / 8)`` from :func:`npu_convert_weight_to_int4pack` (transposed views allowed); antiquant_scale in x's dtype,
+    ``(N,)`` / ``(1, N)`` per channel or ``(ceil(K / group), N)`` per group with ``antiquant_group_size`` = group;
+    antiquant_offset of the same shape and dtype; output in x's dtype. Output quantisation (quant_scale) is not
+    simulated.
+    """
+    calls["npu_weight_quant_batchmatmul"] += 1
+    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: x must be 2-D fp16/bf16, got {x.dtype} {list(x.shape)}")
+    if quant_scale is not None or quant_offset is not None:
+        raise RuntimeError("npu_weight_quant_batchmatmul: output quantisation is not simulated")
+    if weight.dtype == torch.int8:
+        codes = weight.to(torch.int32)
+    elif weight.dtype == torch.int32:
+        codes = _unpack_int4(weight.contiguous())
+    else:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: weight must be int8 or int32 (int4 pack), got {weight.dtype}")
+    k, n = codes.shape
+    if x.shape[1] != k:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: x has K={x.shape[1]}, weight has K={k}")
+    for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset)):
+        if t is not None and t.dtype != x.dtype:
+            raise RuntimeError(f"npu_weight_quant_batchmatmul: {name} must have x's dtype {x.dtype}, got {t.dtype}")
+    if antiquant_group_size:
+        groups = -(-k // antiquant_group_size)
+        if antiquant_group_size % 32 or tuple(antiquant_scale.shape) != (groups, n):
+            raise RuntimeError(f"npu_weight_quant_batchmatmul: per-group scales must be ({groups}, {n}) with a group "
+                               f"size that is a multiple of 32, got {list(antiquant_scale.shape)} and "
+                               f"{antiquant_group_size}")
+        expand = lambda t: t.float().repeat_interleave(antiquant_group_size, dim=0)[:k]  # noqa: E731
+    else:
+        if antiquant_scale.numel() not in (1, n):
+            raise RuntimeError(f"npu_weight_quant_batchmatmul: per-channel scales must have {n} elements")
+        expand = lambda t: t.float().reshape(1, -1)  # noqa: E731
+    w = codes.float()
+    if antiquant_offset is not None:
+        w = w + expand(antiquant_offset)
+    w = w * expand(antiquant_scale)
+    out = x.float() @ w
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)
+
+
+for _op in (npu_convert_weight_to_int4pack, npu_weight_quant_batchmatmul):
+    OPS[_op.__name__] = _op
+    enabled.add(_op.__name__)

@@ -1,0 +1,144 @@
+"""``lowbit_matmul``: every implementation against a float64 matmul with the dequantised weight, per format."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from torchport.kernels.lowbit_matmul import lowbit_linear
+from torchport.quant.formats import get_format
+from torchport.testing import npu_fused_ops
+
+from kernel_cases import call, check_close, forced
+
+FORMATS = ["int8", "fp8", "int4", "mxfp4", "nvfp4"]
+# (rows, out_features, in_features): one row (the batch-1 decode kernel), a few rows (the tensor-core decode
+# kernel), many rows (dequantise + dense matmul); feature counts that are no multiple of the blocks
+SHAPES = [(1, 40, 256), (3, 33, 512), (19, 24, 128), (1, 16, 1024)]
+NPU_FORMATS = {"int8", "int4"}
+
+
+def _case(fmt: str, rows: int, n: int, k: int, device: torch.device, dtype: torch.dtype, group: int | None = None):
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    spec = get_format(fmt)
+    group = spec.group_size(group if fmt == "int4" else None, k)
+    weight = torch.randn(n, k, generator=gen, dtype=torch.float64) * 0.05
+    t = {name: v.to(device) for name, v in spec.quantize(weight.to(dtype), group).items()}
+    x = torch.randn(rows, k, generator=gen, dtype=torch.float64)
+    bias = torch.randn(n, generator=gen, dtype=torch.float64)
+    dense = spec.dequantize({name: v.cpu() for name, v in t.items()}, torch.float64)
+    return spec, group, t, x, bias, dense
+
+
+def _skip(impl: str, fmt: str, dtype: torch.dtype, n: int = 8) -> None:
+    if impl == "npu" and (fmt not in NPU_FORMATS or dtype == torch.float32):
+        pytest.skip(f"npu_weight_quant_batchmatmul takes int8/int4 weights and fp16/bf16 activations, not {fmt}/{dtype}")
+    if impl == "npu" and fmt == "int4" and n % 8:
+        pytest.skip("torch_npu packs int4 weights eight output features at a time")
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_forward_against_float64(fmt, shape, device, dtype, impl):
+    rows, n, k = shape
+    _skip(impl, fmt, dtype, n)
+    spec, group, t, x64, bias64, dense = _case(fmt, rows, n, k, device, dtype)
+    calls = npu_fused_ops.calls["npu_weight_quant_batchmatmul"]
+    y = call("lowbit_matmul", impl, x64.to(device, dtype), t, spec.name, group, bias64.to(device, dtype),
+             spec.dequantize, {})
+    if impl == "npu":
+        assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls + 1
+    assert y.dtype == dtype and y.device.type == device.type
+    check_close("y", y, x64 @ dense.T + bias64, dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_backward_against_float64(fmt, device, dtype):
+    """Gradients of the input and the bias through the dequantised weight (the codes get none)."""
+    spec, group, t, x64, bias64, dense = _case(fmt, 5, 24, 256, device, dtype)
+    x = x64.reshape(5, 1, 256).to(device, dtype).requires_grad_()
+    bias = bias64.to(device, dtype).requires_grad_()
+    dy = torch.randn(5, 1, 24, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    y = lowbit_linear(x, t, spec.name, group, bias, dequantize=spec.dequantize)
+    y.backward(dy.to(device, dtype))
+    check_close("y", y, x64.reshape(5, 1, 256) @ dense.T + bias64, dtype)
+    check_close("dx", x.grad, dy @ dense, dtype)
+    check_close("dbias", bias.grad, dy.sum((0, 1)), dtype)
+
+
+@pytest.mark.parametrize("group", [32, 64, 256])
+def test_int4_group_sizes(group, device, impl):
+    """Several groups per K block and blocks inside one group; leading dimensions of the input kept."""
+    _skip(impl, "int4", torch.bfloat16)
+    spec, group, t, x64, bias64, dense = _case("int4", 6, 24, 512, device, torch.bfloat16, group)
+    x = x64.reshape(2, 3, 512).to(device, torch.bfloat16)
+    for rows in (x[:1, :1], x):
+        y = call("lowbit_matmul", impl, rows.reshape(-1, 512), t, "int4", group, None, spec.dequantize, {})
+        check_close("y", y, rows.reshape(-1, 512).double().cpu() @ dense.T, torch.bfloat16)
+        y = lowbit_linear(rows, t, "int4", group, None, dequantize=spec.dequantize)
+        assert y.shape == (*rows.shape[:-1], 24)
+        check_close("y", y, rows.double().cpu() @ dense.T, torch.bfloat16)
+
+
+def test_triton_decode_kernels_every_launch_configuration(device):
+    """The one-row kernels under each autotuning candidate (the tuner would time them on a GPU)."""
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
+    pytest.importorskip("triton")
+    from torchport.kernels.triton import lowbit
+
+    for fmt in ("int8", "int4", "nvfp4"):
+        spec, group, t, x64, _, dense = _case(fmt, 1, 20, 512, device, torch.float32)
+        x = x64.to(device, torch.float32)
+        for config in lowbit._gemv_candidates(fmt, 20, 512, group):
+            y = lowbit._launch_gemv(config, x, t, fmt, group, None)
+            check_close(f"{fmt} {config}", y, x64 @ dense.T, torch.float32)
+
+
+def test_triton_dequantize_matches_reference(device):
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
+    pytest.importorskip("triton")
+    from torchport.kernels.triton import lowbit
+
+    for fmt in FORMATS:
+        spec, group, t, *_ = _case(fmt, 1, 17, 384, device, torch.bfloat16)
+        dense = lowbit.dequantize(t, fmt, group, torch.float32)
+        torch.testing.assert_close(dense.cpu(), spec.dequantize({n: v.cpu() for n, v in t.items()}, torch.float32),
+                                   rtol=1e-6, atol=0)
+
+
+def test_triton_declines_groups_its_tiles_cannot_take(device):
+    from torchport.kernels import registry
+
+    pytest.importorskip("triton")
+    spec = get_format("int4")
+    t = spec.quantize(torch.randn(8, 96), 24)
+    x = torch.randn(2, 96)
+    with pytest.raises(registry.Unsupported, match="power-of-two group"):
+        registry.implementation("lowbit_matmul", "triton").fn(x, t, "int4", 24, None, spec.dequantize, {})
+    # the public path still answers, through the reference
+    with forced("lowbit_matmul=reference"):
+        y = lowbit_linear(x, t, "int4", 24, None, dequantize=spec.dequantize)
+    torch.testing.assert_close(y, x @ spec.dequantize(t, torch.float32).T)
+
+
+def test_npu_repacks_int4_once_per_weight(npu):
+    spec = get_format("int4")
+    t = {n: v.to(npu) for n, v in spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64).items()}
+    x = torch.randn(3, 128, dtype=torch.bfloat16).to(npu)
+    cache: dict = {}
+    packs = npu_fused_ops.calls["npu_convert_weight_to_int4pack"]
+    matmuls = npu_fused_ops.calls["npu_weight_quant_batchmatmul"]
+    with forced("lowbit_matmul=npu"):
+        for _ in range(3):
+            lowbit_linear(x, t, "int4", 64, None, dequantize=spec.dequantize, cache=cache)
+    assert npu_fused_ops.calls["npu_convert_weight_to_int4pack"] == packs + 1
+    assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == matmuls + 3
+
+
+def test_feature_mismatch_is_an_error():
+    spec = get_format("int8")
+    t = spec.quantize(torch.randn(8, 64), 64)
+    with pytest.raises(ValueError, match="x has 32 features, the weight takes 64"):
+        lowbit_linear(torch.randn(2, 32), t, "int8", 64, None, dequantize=spec.dequantize)
