@@ -22,7 +22,8 @@ what ``torchport run`` with ``TORCHPORT_MODE`` does: transformers' classes are p
 cannot run here gets the best available one (:func:`torchport.attention.install_hook`), ``from_pretrained`` loads in
 the best dtype unless given one, plus TF32 in speed mode, and in memory mode ``from_pretrained`` returns models with
 low-bit weights and activation checkpointing. ``enable(mode, model)`` changes that model in place, plus the
-process-wide flags its speed depends on (TF32); nothing reaches other models.
+process-wide flags its speed depends on (TF32); nothing reaches other models. The choices are made for ``device=``
+(default :func:`torchport.device`; ``torchport run --device`` passes its target).
 
 ``disable()`` undoes everything ``enable`` did, exactly: parameters and buffers (their values, dtypes, devices,
 ``requires_grad`` and tying; a model that lived on the host gets its very tensors back, one on a device gets copies
