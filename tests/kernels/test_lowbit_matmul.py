@@ -142,3 +142,32 @@ def test_feature_mismatch_is_an_error():
     t = spec.quantize(torch.randn(8, 64), 64)
     with pytest.raises(ValueError, match="x has 32 features, the weight takes 64"):
         lowbit_linear(torch.randn(2, 32), t, "int8", 64, None, dequantize=spec.dequantize)
+
+
+def test_triton_decodes_every_code_exactly(device):
+    """All 16 e2m1 codes, all finite e4m3 bytes (subnormals included) and all int8/int4 codes, through the kernels'
+    integer decoders, against the reference decoders, in float32."""
+    if device.type not in ("cpu", "cuda"):
+        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
+    pytest.importorskip("triton")
+    from torchport.kernels.triton import lowbit
+
+    every_byte = torch.arange(256, dtype=torch.int64)
+    cases = {
+        "int8": {"qweight": (every_byte - 128).to(torch.int8).reshape(8, 32), "scale": torch.ones(8, 1)},
+        "fp8": {"qweight": every_byte[every_byte % 128 != 127].to(torch.uint8).view(torch.float8_e4m3fn)
+                [:224].reshape(7, 32), "scale": torch.ones(7, 1)},
+        "int4": {"qweight": every_byte.to(torch.uint8).reshape(4, 64), "scale": torch.ones(4, 1),
+                 "offset": torch.zeros(4, 1)},
+        "mxfp4": {"qweight": every_byte.to(torch.uint8).reshape(4, 64), "scale": torch.full((4, 4), 127, dtype=torch.uint8)},
+        "nvfp4": {"qweight": every_byte.to(torch.uint8).reshape(4, 64),
+                  "scale": torch.ones(4, 8).to(torch.float8_e4m3fn), "global_scale": torch.ones(())},
+    }
+    groups = {"int8": 32, "fp8": 32, "int4": 128, "mxfp4": 32, "nvfp4": 16}
+    for fmt, t in cases.items():
+        t = {name: v.to(device) for name, v in t.items()}
+        ref = get_format(fmt).dequantize({n: v.cpu() for n, v in t.items()}, torch.float32)
+        got = lowbit.dequantize(t, fmt, groups[fmt], torch.float32).cpu()
+        assert torch.equal(got, ref), fmt
+        x = torch.eye(ref.shape[1], device=device)[:1]  # the one-row kernel reads the first column back
+        assert torch.equal(lowbit.matmul(x, t, fmt, groups[fmt], None).cpu()[0], ref[:, 0]), fmt
