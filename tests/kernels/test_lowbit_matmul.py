@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -28,6 +30,12 @@ def _case(fmt: str, rows: int, n: int, k: int, device: torch.device, dtype: torc
     bias = torch.randn(n, generator=gen, dtype=torch.float64)
     dense = spec.dequantize({name: v.cpu() for name, v in t.items()}, torch.float64)
     return spec, group, t, x, bias, dense
+
+
+def _need_triton(device: torch.device) -> None:
+    if not (device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        pytest.skip(f"Triton kernels run on cuda, or on the cpu under TRITON_INTERPRET=1; not on {device.type} here")
+    pytest.importorskip("triton")
 
 
 def _skip(impl: str, fmt: str, dtype: torch.dtype, n: int = 8) -> None:
@@ -82,9 +90,7 @@ def test_int4_group_sizes(group, device, impl):
 
 def test_triton_decode_kernels_every_launch_configuration(device):
     """The one-row kernels under each autotuning candidate (the tuner would time them on a GPU)."""
-    if device.type not in ("cpu", "cuda"):
-        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
-    pytest.importorskip("triton")
+    _need_triton(device)
     from torchport.kernels.triton import lowbit
 
     for fmt in ("int8", "int4", "nvfp4"):
@@ -96,9 +102,7 @@ def test_triton_decode_kernels_every_launch_configuration(device):
 
 
 def test_triton_dequantize_matches_reference(device):
-    if device.type not in ("cpu", "cuda"):
-        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
-    pytest.importorskip("triton")
+    _need_triton(device)
     from torchport.kernels.triton import lowbit
 
     for fmt in FORMATS:
@@ -147,9 +151,7 @@ def test_feature_mismatch_is_an_error():
 def test_triton_decodes_every_code_exactly(device):
     """All 16 e2m1 codes, all finite e4m3 bytes (subnormals included) and all int8/int4 codes, through the kernels'
     integer decoders, against the reference decoders, in float32."""
-    if device.type not in ("cpu", "cuda"):
-        pytest.skip("Triton kernels run on cuda, or on the cpu under the interpreter")
-    pytest.importorskip("triton")
+    _need_triton(device)
     from torchport.kernels.triton import lowbit
 
     every_byte = torch.arange(256, dtype=torch.int64)
