@@ -203,3 +203,25 @@ def test_dequantize_gives_back_dense_layers():
     assert not quant.quantized_modules(model)
     torch.testing.assert_close(model(tokens), expected, rtol=1e-5, atol=1e-6)
     torchport.quantize(model, "int4")  # dense again: it quantises
+
+
+def test_activation_checkpointing_through_quantised_layers(device):
+    """Non-reentrant checkpointing stops its recomputation by raising inside the op running then; a fused kernel
+    between quantised layers must let that through (it used to be taken for a kernel failure)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(3)
+    gate = QuantizedLinear.from_linear(nn.Linear(64, 96, bias=False).to(device), "int4")
+    up = QuantizedLinear.from_linear(nn.Linear(64, 96, bias=False).to(device), "int4")
+    down = QuantizedLinear.from_linear(nn.Linear(96, 64).to(device), "int4")  # saves no tensor of its own
+
+    def mlp(x: torch.Tensor) -> torch.Tensor:
+        return down(torchport.kernels.swiglu(gate(x), up(x)))
+
+    x = torch.randn(4, 64, device=device, requires_grad=True)
+    mlp(x).sum().backward()
+    expected = (x.grad.clone(), down.bias.grad.clone())
+    x.grad, down.bias.grad = None, None
+    checkpoint(mlp, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(x.grad, expected[0])
+    torch.testing.assert_close(down.bias.grad, expected[1])

@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 
 from .. import _settings
 from ..backends import get_backend
@@ -256,6 +257,11 @@ def _is_load_failure(exc: BaseException) -> bool:
     return bool(names & {"CompilationError", "CompileTimeAssertionFailure", "OutOfResources"})
 
 
+# Exceptions that carry control flow through a kernel call and must reach their catcher unchanged: non-reentrant
+# activation checkpointing stops a recomputation early by raising from inside whatever op is running then.
+_CONTROL_FLOW = tuple(cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls)
+
+
 def call(op: str, device: torch.device, *args: Any) -> Any:
     """Run ``op`` with the implementation chosen for ``device``; in auto mode, fall back to the reference.
 
@@ -268,7 +274,7 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
         return impl.fn(*args)
     try:
         return impl.fn(*args)
-    except torch.OutOfMemoryError:
+    except (torch.OutOfMemoryError, *_CONTROL_FLOW):
         raise
     except Exception as exc:
         reason = f"{type(exc).__name__}: {exc}".strip()
