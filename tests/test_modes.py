@@ -178,6 +178,12 @@ def test_memory_mode_low_bit_checkpointing_placement_and_disable(device: torch.d
     ids = torch.tensor([[3, 8, 20, 41, 5, 9]], device=device)
     with torch.no_grad():
         assert torch.isfinite(model(input_ids=ids).logits).all()
+    model.train()  # a training step through low-bit layers and checkpointed blocks: gradients reach the embedding
+    model(input_ids=ids, labels=ids).loss.backward()
+    grad = model.model.embed_tokens.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+    model.eval()
     torchport.disable()
     _same(before, _state(model))
     assert not model.model.gradient_checkpointing
