@@ -29,7 +29,7 @@ def test_every_benchmarkable_op_is_registered_and_has_three_sizes() -> None:
 
 
 @pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
-                                "fused_linear_cross_entropy"])
+                                "fused_linear_cross_entropy", "lowbit_matmul"])
 def test_every_op_runs_forward_and_backward_on_the_cpu(op: str) -> None:
     for backward in (False, True):
         result = kernels.benchmark(Job(), op, "cpu", "float32", "small", backward, warmup=1, iters=2)

@@ -8,6 +8,7 @@ op                computes                                               modules
 ``rope``          Hugging Face ``apply_rotary_pos_emb`` on q and k       :class:`RoPE`
 ``swiglu``        ``silu(gate) * up``                                    :class:`SwiGLU`
 ``geglu``         ``gelu_tanh(gate) * up``                               :class:`GeGLU`
+``lowbit_matmul`` ``x @ dequantise(W).T`` for low-bit weights            :class:`torchport.quant.QuantizedLinear`
 ================  =====================================================  ===========================
 
 Each op has a plain-PyTorch ``reference`` (every device, and the fallback), a ``triton`` kernel for CUDA/ROCm, and
@@ -27,6 +28,7 @@ from .cross_entropy import CrossEntropyLoss, cross_entropy
 from .fused_linear_cross_entropy import FusedLinearCrossEntropyLoss, fused_linear_cross_entropy
 from .glu import GeGLU, SwiGLU, geglu, swiglu
 from .layer_norm import LayerNorm, layer_norm
+from .lowbit_matmul import lowbit_linear
 from .registry import KernelError, Unsupported, list_kernels, register_kernel, table
 from .rms_norm import RMSNorm, rms_norm
 from .rope import RoPE, rope
@@ -46,6 +48,7 @@ __all__ = [
     "geglu",
     "layer_norm",
     "list_kernels",
+    "lowbit_linear",
     "register_kernel",
     "rms_norm",
     "rope",

@@ -65,6 +65,12 @@ class _Case:
     differentiable: int                         # the leading arguments that get a gradient
 
 
+def _int4_dequantize() -> Callable[..., torch.Tensor]:
+    from ..quant.formats import get_format
+
+    return get_format("int4").dequantize
+
+
 def _cases() -> dict[str, _Case]:
     def norm(g: torch.Generator | None, rows: int, hidden: int) -> tuple[Any, ...]:
         return _randn(g, (rows, hidden)), 1 + _randn(g, (hidden,), 0.1)
@@ -101,6 +107,15 @@ def _cases() -> dict[str, _Case]:
             lambda g, rows, hidden, vocab: (_randn(g, (rows, hidden)), _randn(g, (vocab, hidden), hidden**-0.5),
                                             _targets(g, rows, vocab)),
             lambda k, h, w, target: k.fused_linear_cross_entropy(h, w, target), 2),
+        "lowbit_matmul": _Case(
+            "rows × out features × in features (int4 weights, groups of 128)",
+            {"small": (1, 4096, 4096), "medium": (16, 14336, 4096), "large": (2048, 14336, 4096)},
+            lambda g, rows, n, k: (_randn(g, (rows, k)), torch.randint(0, 256, (n, k // 2), generator=g,
+                                                                         dtype=torch.uint8),
+                                   _randn(g, (n, k // 128), 0.01).abs(), _randn(g, (n, k // 128))),
+            lambda k, x, q, scale, offset: k.lowbit_linear(
+                x, {"qweight": q, "scale": scale, "offset": offset}, "int4", 128, None,
+                dequantize=_int4_dequantize()), 1),
     }
 
 
