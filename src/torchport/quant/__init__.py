@@ -39,7 +39,7 @@ logger = logging.getLogger("torchport")
 Selector = Union[None, str, Iterable[str], Callable[[str, nn.Module], bool]]
 _METADATA_KEY = "torchport.quant"
 _METADATA_VERSION = 1
-_probed: dict[tuple[str, str], str | None] = {}
+_probed: dict[tuple[str, str, torch.dtype], str | None] = {}
 
 
 def default_format(device: torch.device | str | None = None) -> str:
@@ -83,8 +83,7 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def _select(model: nn.Module, modules: Selector) -> list[tuple[str, nn.Linear]]:
-    linears = [(name, m) for name, m in model.named_modules() if type(m) is nn.Linear or
-               (isinstance(m, nn.Linear) and not isinstance(m, QuantizedLinear))]
+    linears = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     if not linears:
         raise QuantizationError(f"{type(model).__name__} has no nn.Linear layer to quantise")
     if modules is None:
@@ -119,7 +118,7 @@ def _tied(model: nn.Module) -> set[int]:
 def _check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
     """Run a tiny layer of ``fmt`` on ``device`` once; a device that cannot run the format at all (no fused path and
     no reference: a dtype its software stack lacks) is an error that names the formats that work."""
-    key = (fmt, device.type)
+    key = (fmt, device.type, dtype)
     if key not in _probed:
         try:
             layer = QuantizedLinear.from_linear(nn.Linear(256, 16, bias=False, device=device, dtype=dtype), fmt)
@@ -129,7 +128,7 @@ def _check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
             _probed[key] = f"{type(exc).__name__}: {exc}"
     reason = _probed[key]
     if reason is not None:
-        working = [f for f in FORMATS if f != fmt and _probed.get((f, device.type), "") is None]
+        working = [f for f in FORMATS if f != fmt and _probed.get((f, device.type, dtype), "") is None]
         raise QuantizationError(f"format {fmt!r} cannot run on {device.type} here ({reason}); formats that ran on "
                                 f"this device: {', '.join(working) or 'none checked yet'}")
 
