@@ -180,6 +180,20 @@ def _sync(device: torch.device) -> None:
     torchport.synchronize(device)
 
 
+def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
+    """A CUDA graph of ``calls`` calls of ``fn`` (run once on a side stream first, as capture requires)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor) -> float:
     """Greedy batch-1 decode tokens/s: one CUDA graph per step where the device has graphs, eager otherwise."""
     caches = new_caches(model, device)
@@ -198,14 +212,7 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
             step()
         steps = min(tokens, MAX_SEQ - start - 8)
         if device.type == "cuda":
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                step()
-            torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            graph = capture(step)
             position.fill_(start)
             for _ in range(3):
                 graph.replay()

@@ -16,8 +16,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_lowbit import capture  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 FORMATS = ("int8", "fp8", "int4", "mxfp4", "nvfp4")
@@ -28,16 +33,8 @@ def graph_ms(fn) -> float:
     """Median milliseconds of one ``fn()``, replayed from a CUDA graph of ``_CALLS`` calls."""
     import triton
 
-    fn()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(_CALLS):
-            fn()
+    fn()  # compiles and autotunes outside the graph
+    graph = capture(fn, _CALLS)
     return triton.testing.do_bench(graph.replay, return_mode="median") / _CALLS
 
 
