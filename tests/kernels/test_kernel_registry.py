@@ -81,7 +81,7 @@ def test_forced_choices_name_what_exists(device):
         with pytest.raises(KernelError, match=r"no such implementation; it has: reference \(every device\), triton"):
             torchport.kernels.layer_norm(x, w, None)
     with torchport.settings.override(kernels="rms_norm=reference,rmsnorm=triton"):
-        with pytest.raises(ValueError, match=r"unknown kernel\(s\) rmsnorm; registered: .*geglu, layer_norm, rms_norm, rope"):
+        with pytest.raises(ValueError, match=r"unknown kernel\(s\) rmsnorm; registered: .*geglu, layer_norm, lowbit_matmul, rms_norm, rope"):
             torchport.kernels.rms_norm(x, w)
     with torchport.settings.override(kernels="reference"):
         assert registry.select("rms_norm", x.device).name == "reference"
