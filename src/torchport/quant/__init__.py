@@ -141,7 +141,9 @@ def quantize(model: nn.Module, format: str, *, group_size: int | None = None, mo
     Args:
         model: the model; its layers are quantised on the device they are on.
         format: ``int8``, ``fp8``, ``int4``, ``mxfp4``, ``nvfp4`` or ``fp4`` (= ``nvfp4``).
-        group_size: inputs per scale for ``int4`` (default 128; any even divisor of the layers' input features).
+        group_size: inputs per scale for ``int4``: any even divisor of every selected layer's input features
+            (default: 128, or for a layer 128 does not divide, its largest even divisor between 32 and 128, else
+            its whole row).
             ``mxfp4`` and ``nvfp4`` have fixed blocks (32, 16); ``int8`` and ``fp8`` one scale per output channel.
         modules: None (every ``nn.Linear``), a name or glob pattern or a list of them (``"*.mlp.*"``), or a
             function ``(name, module) -> bool``. Layers whose weight is tied to another module (an output layer
