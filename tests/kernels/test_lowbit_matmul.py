@@ -173,3 +173,19 @@ def test_triton_decodes_every_code_exactly(device):
         assert torch.equal(got, ref), fmt
         x = torch.eye(ref.shape[1], device=device)[:1]  # the one-row kernel reads the first column back
         assert torch.equal(lowbit.matmul(x, t, fmt, groups[fmt], None).cpu()[0], ref[:, 0]), fmt
+
+
+def test_npu_repacks_after_the_weights_change_in_place(npu):
+    """A state-dict load copies new codes into the same storage: the cached repacked weight must not outlive them."""
+    spec = get_format("int4")
+    first = spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64)
+    second = spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64)
+    t = {n: v.to(npu) for n, v in first.items()}
+    x = torch.randn(3, 128, dtype=torch.bfloat16).to(npu)
+    cache: dict = {}
+    with forced("lowbit_matmul=npu"):
+        lowbit_linear(x, t, "int4", 64, None, dequantize=spec.dequantize, cache=cache)
+        for name, value in second.items():
+            t[name].copy_(value.to(npu))
+        y = lowbit_linear(x, t, "int4", 64, None, dequantize=spec.dequantize, cache=cache)
+    check_close("y", y, x.cpu().double() @ spec.dequantize(second, torch.float64).T, torch.bfloat16)

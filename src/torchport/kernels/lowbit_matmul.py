@@ -60,9 +60,10 @@ def _triton(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int
 def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
                  cache: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """(weight (K, N), antiquant_scale, antiquant_offset, antiquant_group_size) for torch_npu, made once per
-    weight storage and activation dtype and kept in the layer's cache."""
+    weight storage, version and activation dtype and kept in the layer's cache (an in-place update of the codes or
+    scales, such as ``load_state_dict``, bumps a version and so makes it again)."""
     q, scale = t["qweight"], t["scale"]
-    key = ("npu", q.data_ptr(), x.dtype)
+    key = ("npu", q.data_ptr(), x.dtype, *(v._version for v in t.values()))
     if cache.get("key") == key:
         return cache["value"]
     if fmt == "int8":
