@@ -1,19 +1,42 @@
 #!/usr/bin/env bash
-# Create .venv (once) and install torchport into it. Usage: scripts/setup.sh [EXTRAS], e.g. scripts/setup.sh test
+# Create a virtual environment (once) and install torchport into it.
+#
+# Usage: scripts/setup.sh [--latest] [EXTRAS]        e.g. scripts/setup.sh test
+#
+#   (default)   .venv, every package at the exact version in constraints.txt: a release upstream cannot change
+#               what is tested.
+#   --latest    .venv-latest, every package upgraded to its newest release (torch stays at the pinned build), then
+#               the versions that differ from constraints.txt are listed. scripts/pin.sh .venv-latest writes them
+#               into constraints.txt once the tests pass with them.
+#
 # torch is installed first and pinned, so pip takes the CPU build instead of resolving a bare "torch" to the
-# multi-GB CUDA packages; on a GPU or NPU machine, install your torch build into .venv before running this.
+# multi-GB CUDA packages; on a GPU or NPU machine, install your torch build into the venv before running this
+# (constraints.txt pins no torch, so yours stays).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+venv=.venv latest=0
+if [ "${1:-}" = "--latest" ]; then
+    venv=.venv-latest latest=1
+    shift
+fi
 extras="${1:-}"
-if [ ! -x .venv/bin/python ]; then
-    "${PYTHON:-python3}" -m venv .venv
+torch_pin="torch==2.13.0"
+if [ ! -x "$venv/bin/python" ]; then
+    "${PYTHON:-python3}" -m venv "$venv"
 fi
-# shellcheck disable=SC1091
-. .venv/bin/activate
-if ! python -c "import torch" 2>/dev/null; then
-    python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+if ! "$venv/bin/python" -c "import torch" 2>/dev/null; then
+    "${pip[@]}" "$torch_pin"
 fi
-python -m pip install -q --disable-pip-version-check -e ".${extras:+[$extras]}"
+if [ "$latest" = 1 ]; then
+    "${pip[@]}" --upgrade --upgrade-strategy eager -e ".${extras:+[$extras]}"
+    echo "setup: versions in $venv that differ from constraints.txt:"
+    "$venv/bin/python" -m pip freeze --exclude-editable --disable-pip-version-check 2>/dev/null \
+        | grep -v -i -x -F -f constraints.txt | grep -v -i '^torch==' || echo "  (none)"
+else
+    # PIP_CONSTRAINT also reaches the isolated build of torchport itself (setuptools); -c alone would not
+    PIP_CONSTRAINT="$PWD/constraints.txt" "${pip[@]}" -c constraints.txt -e ".${extras:+[$extras]}"
+fi
 # The dashboard's browser test drives the system's Chromium (tests/ui/test_browser.py). For the test extras, install
 # it where this can (root with apt, e.g. a fresh CI machine); anywhere else that one test is skipped with the reason.
 if [[ ",$extras," == *",test,"* ]] && ! command -v chromedriver >/dev/null 2>&1 \
