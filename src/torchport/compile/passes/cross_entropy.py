@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -12,6 +14,7 @@ import torch.nn.functional as F
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
 from ._graph import value as _value
+from ._replace import replace
 
 __all__ = ["cross_entropy"]
 
@@ -20,8 +23,6 @@ Node = torch.fx.Node
 _SIGNATURE = inspect.signature(F.cross_entropy)
 _REDUCTIONS = ("mean", "sum", "none")
 _RESHAPES = ("view", "reshape")
-
-
 
 
 def _arguments(node: Node) -> dict[str, Any] | None:
@@ -58,23 +59,25 @@ def _is_upcast(node: Any) -> bool:
     return node.target == "to" and given == [torch.float32] and set(node.kwargs) <= {"dtype"}
 
 
-def _without_upcast(graph: torch.fx.Graph, logits: Node) -> tuple[Node, list[Node]]:
-    """The logits to hand to the kernel: for ``x.float()`` or ``x.float().view(...)`` feeding only the loss, ``x``
-    (or ``x.view(...)``), so no float32 copy of the logits is made (the kernel computes in float32 inside). Also
-    returns the nodes that the rewrite leaves unused."""
+def _without_upcast(logits: Node) -> tuple[Node, tuple[Any, ...] | None]:
+    """The logits to hand to the kernel: for ``x.float()`` or ``x.float().view(sizes)`` feeding only the loss,
+    ``x`` (and ``sizes``, to reshape ``x`` to), so no float32 copy of the logits is made (the kernel computes in
+    float32 inside); else ``logits`` itself."""
     if _is_upcast(logits) and len(logits.users) == 1:
-        return logits.args[0], [logits]
+        return logits.args[0], None
     reshape = logits
     if not (reshape.op == "call_method" and reshape.target in _RESHAPES and len(reshape.users) == 1
             and not reshape.kwargs and all(_is_size(a) for a in reshape.args[1:])):
-        return logits, []
+        return logits, None
     upcast = reshape.args[0]
     if not (_is_upcast(upcast) and len(upcast.users) == 1):
-        return logits, []
-    # reshape, not view: the upcast made a dense copy that any view fits; the logits themselves may be strided
-    with graph.inserting_before(reshape):
-        direct = graph.call_method("reshape", (upcast.args[0], *reshape.args[1:]))
-    return direct, [reshape, upcast]
+        return logits, None
+    sizes = reshape.args[1:]
+    if len(sizes) == 1 and isinstance(sizes[0], (list, tuple)):
+        sizes = tuple(sizes[0])
+    if any(isinstance(s, (list, tuple)) for s in sizes):
+        return logits, None
+    return upcast.args[0], sizes
 
 
 def _is_size(arg: Any) -> bool:
@@ -82,6 +85,27 @@ def _is_size(arg: Any) -> bool:
     if isinstance(arg, (list, tuple)):
         return all(_is_size(a) for a in arg)
     return isinstance(arg, (int, torch.SymInt, Node)) and not isinstance(arg, bool)
+
+
+def _fused(graph: torch.fx.Graph, inputs: Sequence[Any], *, options: tuple[Any, ...], reshape: bool,
+           cast: torch.dtype | None) -> list[Node]:
+    """The op on ``inputs`` = (logits, target, reshape sizes...), reshaping the logits and casting the loss first
+    where asked. (reshape, not view: the dropped upcast made a dense copy that any view fits; the logits
+    themselves may be strided.)"""
+    logits = graph.call_method("reshape", (inputs[0], *inputs[2:])) if reshape else inputs[0]
+    loss = graph.call_function(torch.ops.torchport.cross_entropy.default, (logits, inputs[1], *options))
+    return [graph.call_method("to", (loss, cast)) if cast is not None else loss]
+
+
+def _sample_targets(shape: Sequence[int], dtype: torch.dtype, gen: torch.Generator, *, classes: Any,
+                    ignore_index: int) -> torch.Tensor:
+    """Class indices, a quarter of them ``ignore_index`` (never all of them, whose mean is NaN in PyTorch)."""
+    classes = int(classes.node.hint) if isinstance(classes, torch.SymInt) else int(classes)
+    targets = torch.randint(0, classes, tuple(shape), generator=gen, dtype=dtype)
+    ignored = torch.rand(tuple(shape), generator=gen) < 0.25
+    if ignored.numel():
+        ignored.view(-1)[0] = False
+    return targets.masked_fill(ignored, ignore_index)
 
 
 @register_pass("cross_entropy", order=240, training=True, fusion=True)
@@ -115,24 +139,15 @@ def cross_entropy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         if not lv.is_floating_point() or tv.is_floating_point() or tv.is_complex() or tv.dtype == torch.bool:
             continue
-        source, unused = _without_upcast(graph, logits)
-        with graph.inserting_before(node):
-            fused = graph.call_function(
-                torch.ops.torchport.cross_entropy.default,
-                (source, target, args["ignore_index"], float(args["label_smoothing"]), args["reduction"]),
-            )
-            result = fused
-            loss_dtype = torch.float64 if lv.dtype == torch.float64 else torch.float32  # what the op returns
-            if out.dtype != loss_dtype:
-                result = graph.call_method("to", (fused, out.dtype))
-        for new in {fused, result}:
-            new.meta.update({k: node.meta[k] for k in ("stack_trace",) if k in node.meta})
-        result.meta.update({k: node.meta[k] for k in ("val", "example_value") if k in node.meta})
-        node.replace_all_uses_with(result)
-        graph.erase_node(node)
-        for dead in unused:
-            graph.erase_node(dead)
-        count += 1
+        source, sizes = _without_upcast(logits)
+        loss_dtype = torch.float64 if lv.dtype == torch.float64 else torch.float32  # what the op returns
+        fused = functools.partial(_fused, options=(args["ignore_index"], float(args["label_smoothing"]),
+                                                   args["reduction"]),
+                                  reshape=sizes is not None, cast=out.dtype if out.dtype != loss_dtype else None)
+        samplers = {1: functools.partial(_sample_targets, classes=lv.shape[-1], ignore_index=args["ignore_index"])}
+        if replace(gm, [node], (source, target, *(sizes or ())), fused, what="cross-entropy loss",
+                   samplers=samplers) is not None:
+            count += 1
     if count:
         note(f"replaced {count} cross-entropy loss{'es' * (count > 1)} with torchport::cross_entropy")
     return gm

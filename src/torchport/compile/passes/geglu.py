@@ -102,7 +102,7 @@ def geglu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Rewritten only when gate, up and the product have one shape and one floating dtype and the activation's values
     feed only the product. The exact (erf) GELU, ``approximate="none"``, is a different function and stays.
     """
-    count = fuse_gated(gm, _gelu_tanh, torch.ops.torchport.geglu.default)
+    count = fuse_gated(gm, _gelu_tanh, torch.ops.torchport.geglu.default, "GeGLU subgraph")
     if count:
         note(f"replaced {count} GeGLU subgraph{'s' * (count > 1)} with torchport::geglu")
     return gm

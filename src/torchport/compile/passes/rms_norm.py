@@ -13,15 +13,11 @@ from . import note, register_pass
 from ._graph import calls as _calls
 from ._graph import same_shape as _same_shape
 from ._graph import value as _value
+from ._replace import replace
 
 __all__ = ["rms_norm"]
 
 Node = torch.fx.Node
-
-
-
-
-
 
 def _binary(node: Any, op: Any) -> bool:
     """``a * b`` / ``a + b`` (operator or torch function, no keyword arguments)."""
@@ -44,9 +40,6 @@ def _is_eps(value: Any) -> bool:
 def _other(node: Node, one: Any) -> Any:
     a, b = node.args[:2]
     return b if a is one else a
-
-
-
 
 def _single_user(node: Node) -> Node | None:
     return next(iter(node.users)) if len(node.users) == 1 else None
@@ -113,8 +106,8 @@ def _weight(factor: Any) -> tuple[Any, float, list[Node]]:
     return weight, offset, nodes + ([factor] if factor is not weight else [])
 
 
-def _match(rsqrt: Node) -> tuple[Node, tuple[Any, ...], list[Node]] | None:
-    """(the node computing the norm's result, the op's arguments, the nodes it makes dead) around ``rsqrt``."""
+def _match(rsqrt: Node) -> tuple[Node, tuple[Any, ...]] | None:
+    """(the node computing the norm's result, the op's arguments) around ``rsqrt``."""
     eps_add = rsqrt.args[0] if len(rsqrt.args) == 1 and not rsqrt.kwargs else None
     if not _binary(eps_add, operator.add):
         return None
@@ -150,18 +143,11 @@ def _match(rsqrt: Node) -> tuple[Node, tuple[Any, ...], list[Node]] | None:
     inside = set(chain) | {scaled, base}
     if any(user not in inside for node in chain if node is not out for user in node.users):
         return None
-    return out, (x, weight, eps if isinstance(eps, Node) else float(eps), offset), [*chain, scaled, base]
+    return out, (x, weight, eps if isinstance(eps, Node) else float(eps), offset)
 
 
-def _erase_dead(graph: torch.fx.Graph, nodes: list[Node]) -> set[Node]:
-    """Erase the ``nodes`` left without users (users first), never a placeholder; return those erased."""
-    alive, erased = {n for n in nodes if n.op != "placeholder"}, set()
-    while dead := [n for n in alive if not n.users]:
-        for node in dead:
-            graph.erase_node(node)
-        alive.difference_update(dead)
-        erased.update(dead)
-    return erased
+def _fused(graph: torch.fx.Graph, args: Any) -> list[Node]:
+    return [graph.call_function(torch.ops.torchport.rms_norm.default, tuple(args))]
 
 
 @register_pass("rms_norm", order=210, training=True, fusion=True)
@@ -182,21 +168,16 @@ def rms_norm(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     user. A norm without a weight or without ``eps``, or whose result is wider than ``x`` (a float32 weight times a
     bfloat16 ``x``), stays.
     """
-    graph = gm.graph
     count, erased = 0, set()
-    for node in list(graph.nodes):
+    for node in list(gm.graph.nodes):
         if node in erased or not _calls(node, torch.rsqrt, method="rsqrt"):
             continue
         found = _match(node)
         if found is None:
             continue
-        out, args, chain = found
-        with graph.inserting_before(out):
-            fused = graph.call_function(torch.ops.torchport.rms_norm.default, args)
-        fused.meta.update({k: out.meta[k] for k in ("val", "example_value", "stack_trace") if k in out.meta})
-        out.replace_all_uses_with(fused)
-        erased |= _erase_dead(graph, chain)
-        count += 1
+        out, args = found
+        if replace(gm, [out], args, _fused, what="RMSNorm subgraph", erased=erased) is not None:
+            count += 1
     if count:
         note(f"replaced {count} RMSNorm subgraph{'s' * (count > 1)} with torchport::rms_norm")
     return gm

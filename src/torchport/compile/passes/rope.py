@@ -15,6 +15,7 @@ from . import note, register_pass
 from ._graph import calls as _calls
 from ._graph import same_shape as _same_shape
 from ._graph import value as _value
+from ._replace import replace
 
 __all__ = ["rope"]
 
@@ -38,11 +39,6 @@ class _Rotation:
     @property
     def sin(self) -> Node:
         return self.sin_u.args[0]
-
-
-
-
-
 
 def _binary(node: Any, *targets: Any) -> bool:
     return _calls(node, *targets) and len(node.args) == 2 and not node.kwargs and all(
@@ -111,9 +107,6 @@ def _match(add: Node) -> _Rotation | None:
                 return _Rotation(add, x, cos_u, sin_u, [direct, *nodes, rotated, add])
     return None
 
-
-
-
 def _fits(q: _Rotation, k: _Rotation) -> bool:
     """The kernel's contract: q and k ``[B, H, S, D]`` of one dtype (heads may differ), cos/sin ``[B or 1, S, D]``,
     results in the inputs' dtype, and the rotations' intermediate values used by nothing else."""
@@ -137,6 +130,11 @@ def _fits(q: _Rotation, k: _Rotation) -> bool:
         if any(user not in inside for n in r.nodes[:-1] for user in n.users):
             return False
     return True
+
+
+def _fused(graph: torch.fx.Graph, args: Any) -> list[Node]:
+    fused = graph.call_function(torch.ops.torchport.rope.default, tuple(args))
+    return [graph.call_function(operator.getitem, (fused, 0)), graph.call_function(operator.getitem, (fused, 1))]
 
 
 @register_pass("rope", order=230, training=True, fusion=True)
@@ -169,33 +167,19 @@ def rope(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         for q, k in zip(rotations[0::2], rotations[1::2]):
             inputs = (q.x, k.x, q.cos, q.sin)
             last = max(inputs, key=order.__getitem__)
-            # Every input comes before both results (so neither input depends on the other result), and the op
-            # goes right after the last input: before both results and all their users. (An input that an earlier
-            # rewrite replaced, rope applied twice, is left for another run of the pass.)
+            # Every input comes before both results (so neither input depends on the other result): the op goes
+            # before the first result. (An input that an earlier rewrite replaced, rope applied twice, is left for
+            # another run of the pass.)
             if order[last] > min(order[q.out], order[k.out]) or erased.intersection(inputs) or not _fits(q, k):
                 continue
-            while last.next.op == "placeholder":  # (the inputs stay together at the top)
-                last = last.next
-            with graph.inserting_after(last):
-                fused = graph.call_function(torch.ops.torchport.rope.default, inputs)
-            with graph.inserting_after(fused):
-                q_out = graph.call_function(operator.getitem, (fused, 0))
-            with graph.inserting_after(q_out):
-                k_out = graph.call_function(operator.getitem, (fused, 1))
-            for new, old in ((q_out, q.out), (k_out, k.out)):
-                new.meta.update({key: old.meta[key] for key in ("val", "example_value", "stack_trace")
-                                 if key in old.meta})
-                old.replace_all_uses_with(new)
+            new = replace(gm, [q.out, k.out], inputs, _fused, what="RoPE q/k pair", erased=erased)
+            if new is None:
+                continue
+            fused = new[0].args[0]
             for key in ("val", "example_value"):
-                if key in q.out.meta and key in k.out.meta:
-                    fused.meta[key] = (q.out.meta[key], k.out.meta[key])
-            for node in [*reversed(q.nodes), *reversed(k.nodes)]:
-                graph.erase_node(node)
-            erased.update(q.nodes + k.nodes)
+                if all(key in n.meta for n in new):
+                    fused.meta[key] = tuple(n.meta[key] for n in new)
             count += 1
-    for node in {node for pair in groups for node in pair}:
-        if not node.users:
-            graph.erase_node(node)
     if count:
         note(f"replaced {count} RoPE q/k pair{'s' * (count > 1)} with torchport::rope")
     return gm

@@ -19,6 +19,7 @@ from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
 from . import note, register_pass
 from ._graph import same_shape as _same_shape
 from ._graph import value as _value
+from ._replace import replace
 
 __all__ = ["ActivationMatch", "fuse_gated", "swiglu"]
 
@@ -28,11 +29,6 @@ Node = torch.fx.Node
 ActivationMatch = Callable[[torch.fx.GraphModule, Node], "tuple[Node, list[Node]] | None"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-
-
-
 
 def _module(gm: torch.fx.GraphModule, node: Node) -> nn.Module | None:
     if node.op != "call_module":
@@ -55,9 +51,9 @@ def _silu(gm: torch.fx.GraphModule, node: Node) -> tuple[Node, list[Node]] | Non
     return None
 
 
-def fuse_gated(gm: torch.fx.GraphModule, activation: ActivationMatch, op: Any) -> int:
+def fuse_gated(gm: torch.fx.GraphModule, activation: ActivationMatch, op: Any, what: str) -> int:
     """Replace every ``act(gate) * up`` (either order) whose activation ``activation`` recognises by
-    ``op(gate, up)``; return how many were replaced.
+    ``op(gate, up)``; return how many were replaced (``what`` names the pattern in notes).
 
     Only where gate, up and the product have one shape (no broadcasting) and one floating dtype, and the activation's
     intermediate values feed nothing else.
@@ -88,18 +84,9 @@ def fuse_gated(gm: torch.fx.GraphModule, activation: ActivationMatch, op: Any) -
         inside = set(act_nodes) | {mul}
         if any(user not in inside for n in act_nodes for user in n.users):
             continue
-        with graph.inserting_before(mul):
-            fused = graph.call_function(op, (gate, up))
-        fused.meta.update({k: mul.meta[k] for k in ("val", "example_value", "stack_trace") if k in mul.meta})
-        mul.replace_all_uses_with(fused)
-        graph.erase_node(mul)
-        alive = set(act_nodes)
-        while dead := [n for n in alive if not n.users]:  # users first
-            for n in dead:
-                graph.erase_node(n)
-            alive.difference_update(dead)
-        erased.update(act_nodes)
-        count += 1
+        if replace(gm, [mul], (gate, up), lambda g, args: [g.call_function(op, tuple(args))], what=what,
+                   erased=erased) is not None:
+            count += 1
     return count
 
 
@@ -117,7 +104,7 @@ def swiglu(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Rewritten only when gate, up and the product have one shape and one floating dtype (a broadcasting product
     stays), the SiLU is not in place, and its output feeds only the product. Other activations (ReLU, GELU...) stay.
     """
-    count = fuse_gated(gm, _silu, torch.ops.torchport.swiglu.default)
+    count = fuse_gated(gm, _silu, torch.ops.torchport.swiglu.default, "SwiGLU subgraph")
     if count:
         note(f"replaced {count} SwiGLU subgraph{'s' * (count > 1)} with torchport::swiglu")
     return gm
