@@ -9,6 +9,11 @@ show these notes).
 The runner applies the enabled passes in ``order``. A pass that raises on an unexpected graph is skipped with a
 warning and the graph is restored as it was before the pass; under ``TORCHPORT_STRICT=1`` the error is raised.
 
+The fusion passes replace a subgraph only through ``_replace.replace``, which first runs the subgraph and the fused
+op on sample inputs, forward and backward, and leaves the subgraph unfused (with a note and one warning) when they
+differ: a library release that keeps a pattern's structure but changes its meaning degrades to "not fused", never to
+wrong values or gradients.
+
 Example:
     >>> from torchport.compile import passes
     >>> [p.name for p in passes.list_passes()]   # doctest: +SKIP
