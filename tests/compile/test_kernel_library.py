@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -241,3 +243,19 @@ def _imports_library(node: ast.AST, path: pathlib.Path) -> bool:
     if module.endswith("kernels.library") or (module == "library" and in_kernels):
         return True
     return any(a.name == "library" for a in node.names) and (module.endswith("kernels") or (not module and in_kernels))
+
+
+def test_backward_works_when_the_library_is_first_imported_below_autograd() -> None:
+    """The library may be imported first inside a compiler call or a custom op, where the dispatcher already
+    excludes autograd: the backward's recompute must still record a graph."""
+    code = (
+        "import torch\n"
+        "with torch._C._AutoDispatchBelowAutograd():\n"
+        "    from torchport.kernels import library\n"
+        "x = torch.randn(3, 8, requires_grad=True)\n"
+        "w = torch.randn(8, requires_grad=True)\n"
+        "torch.ops.torchport.rms_norm(x, w, 1e-6, 0.0).sum().backward()\n"
+        "assert x.grad is not None and w.grad is not None\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]

@@ -58,9 +58,13 @@ OPS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy",
 
 
 def _keys_excluded_below_autograd() -> torch._C.DispatchKeySet:
-    before = torch._C._dispatch_tls_local_exclude_set()
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch._C._dispatch_tls_local_exclude_set() - before
+    """The keys the dispatcher excludes below autograd, found from an empty exclusion set: this module may be
+    imported where some are excluded already (inside a compiler call or a custom op), and a difference taken there
+    would miss them."""
+    current = torch._C._dispatch_tls_local_exclude_set()
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), current - current), \
+            torch._C._AutoDispatchBelowAutograd():
+        return torch._C._dispatch_tls_local_exclude_set()
 
 
 _AUTOGRAD_KEYS = _keys_excluded_below_autograd()

@@ -211,13 +211,18 @@ def _samples(examples: list[Any], samplers: dict[int, Sampler], positions: list[
 
 
 @contextlib.contextmanager
-def _eager() -> Iterator[None]:
-    """Real tensors and gradients inside a compiler call (which may run under fake-tensor, inference or autocast
-    modes of its own)."""
+def _eager(device: torch.device) -> Iterator[None]:
+    """Real tensors and gradients, without autocast, inside a compiler call (which may run under fake-tensor,
+    inference or autocast modes of its own)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
 
-    with unset_fake_temporarily(), torch.inference_mode(False), torch.enable_grad(), \
-            torch.autocast("cpu", enabled=False):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(unset_fake_temporarily())
+        stack.enter_context(torch.inference_mode(False))
+        stack.enter_context(torch.enable_grad())
+        for device_type in {"cpu", device.type}:
+            if torch.amp.is_autocast_available(device_type):
+                stack.enter_context(torch.autocast(device_type, enabled=False))
         yield
 
 
@@ -276,7 +281,7 @@ def _verdict(gm, subgraph, outputs, inputs, build, samplers) -> str | None:
             return _verdicts[key]
     shapes = [[_hint(s) for s in e.shape] for e in examples if isinstance(e, torch.Tensor)]
     verdict = None
-    with _eager():
+    with _eager(device):
         for sizes in (_shrink(shapes), {}):
             samples = _samples(examples, samplers, positions, device, sizes)
             try:
