@@ -38,6 +38,7 @@ import torch.fx
 from ... import _logging, _settings
 
 __all__ = [
+    "FOREIGN_OPS_REFUSED",
     "FUSING_COMPILERS",
     "Pass",
     "PassContext",
@@ -55,7 +56,16 @@ GraphPass = Callable[[torch.fx.GraphModule], torch.fx.GraphModule]
 
 #: Compilers that generate fused kernels for elementwise and reduction subgraphs themselves: the kernel-fusion
 #: passes are left out before them unless the options ask for them.
-FUSING_COMPILERS = frozenset({"inductor"})
+FUSING_COMPILERS = frozenset({"inductor", "torchair"})
+#: Compilers that cannot take a ``torchport::`` op at all, with the reason. TorchAir's default mode (GE graph mode,
+#: ``max-autotune``) turns every op of the graph into Ascend IR through a converter registered for that op; it has
+#: converters for torch_npu's own fused operators (``npu_rms_norm``, ``npu_rotary_mul``, ``npu_swiglu``,
+#: ``npu_fusion_attention``: Ascend/torchair ``python/torchair/_ge_concrete_graph/ge_converter/custom/``) and none
+#: for a foreign custom op (``docs/zh/custom_op_graph/overview.md``: GE mode needs an Ascend converter per op).
+FOREIGN_OPS_REFUSED = {
+    "torchair": "TorchAir's GE graph mode converts only ops that have an Ascend converter, and torchport's fused ops "
+                "have none; the graph engine fuses these patterns itself",
+}
 
 
 class PassError(RuntimeError):
@@ -233,6 +243,12 @@ def run_passes(gm: torch.fx.GraphModule, ctx: PassContext, enabled: dict[str, bo
     unknown = sorted(set(enabled) - {p.name for p in list_passes()})
     if unknown:
         raise ValueError(f"unknown compile pass(es) {', '.join(unknown)}; registered: {', '.join(p.name for p in list_passes())}")
+    refused = FOREIGN_OPS_REFUSED.get(ctx.compiler)
+    asked = sorted(p.name for p in list_passes() if p.fusion and enabled.get(p.name))
+    if refused and asked:
+        raise ValueError(f"compile pass(es) {', '.join(asked)} would put torchport ops into a graph for "
+                         f"{ctx.compiler}: {refused}. Leave them off with compiler={ctx.compiler!r}, or choose "
+                         f"compiler='eager' to run torchport's fused kernels")
     strict = _settings.value("strict")
     records: list[PassRecord] = []
     with running(ctx):
