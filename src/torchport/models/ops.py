@@ -12,6 +12,7 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Callable
@@ -151,26 +152,42 @@ def _fusable(model: nn.Module, labels: Any, logits_to_keep: Any) -> bool:
     return isinstance(model.lm_head, nn.Linear) and type(model.lm_head).forward is nn.Linear.forward
 
 
+@functools.cache
+def _head_arguments(lm_forward: Callable[..., Any], base_forward: Callable[..., Any]) -> frozenset[str]:
+    """The named parameters of a causal LM's forward that its base model's forward does not name (``labels``,
+    ``logits_to_keep``): the LM head consumes them. Read from the installed signatures (``inspect`` follows
+    transformers' decorators to the function they wrap), since their names change between releases
+    (``past_key_values`` became ``cache`` in 5.24)."""
+    named = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    lm = [p.name for p in inspect.signature(lm_forward).parameters.values() if p.kind in named]
+    base = {p.name for p in inspect.signature(base_forward).parameters.values() if p.kind in named}
+    return frozenset(lm[1:]) - base
+
+
 def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None) -> Callable[..., Any]:
     """A causal LM's forward whose training loss is :func:`torchport.kernels.fused_linear_cross_entropy` of the
     final hidden states and ``lm_head``: no ``[tokens, vocab]`` logits are made, and ``logits`` in the output is
     None. ``softcap`` names the config attribute by which the model soft-caps its logits (Gemma 2's
     ``final_logit_softcapping``), passed to the kernel. The loss is float32, as transformers'. In evaluation,
     without labels, with ``logits_to_keep`` or a wrapped ``lm_head``, it is ``original``.
+
+    The base model gets the caller's arguments under the caller's names, less those the LM head consumes, and the
+    output carries the base model's fields under the installed output class's names: the call is the one
+    ``original`` makes in the installed transformers, so it warns about nothing the unpatched model does not.
     """
     from transformers.modeling_outputs import CausalLMOutputWithPast
     from transformers.utils import can_return_tuple
 
+    carried = [field.name for field in dataclasses.fields(CausalLMOutputWithPast)
+               if field.name not in ("loss", "logits")]
+
     @can_return_tuple
-    def fused(self: nn.Module, input_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
-              position_ids: torch.Tensor | None = None, past_key_values: Any = None,
-              inputs_embeds: torch.Tensor | None = None, labels: torch.Tensor | None = None,
-              use_cache: bool | None = None, logits_to_keep: int | torch.Tensor = 0, **kwargs: Any) -> Any:
-        outputs = getattr(self, self.base_model_prefix)(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-            past_key_values=past_key_values, inputs_embeds=inputs_embeds, use_cache=use_cache, **kwargs,
-        )
+    def fused(self: nn.Module, **kwargs: Any) -> Any:
+        base = getattr(self, self.base_model_prefix)
+        head = _head_arguments(original, type(base).forward)
+        outputs = base(**{name: value for name, value in kwargs.items() if name not in head})
         hidden = outputs.last_hidden_state
+        labels = kwargs.get("labels")
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
         target = _shifted_targets(labels, kwargs.get("shift_labels"), ignore_index).to(hidden.device)
         num_items = kwargs.get("num_items_in_batch")
@@ -184,19 +201,19 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None)
             softcap=getattr(self.config, softcap, None) if softcap else None,
         )
         return CausalLMOutputWithPast(loss=loss if inside else _per_item(loss, num_items), logits=None,
-                                      past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
-                                      attentions=outputs.attentions)
+                                      **{name: getattr(outputs, name, None) for name in carried})
 
     # Positional arguments are named after the original's signature (self first).
-    names = [p.name for p in inspect.signature(original).parameters.values()
-             if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)][1:]
+    parameters = list(inspect.signature(original).parameters.values())[1:]
+    names = [p.name for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    logits_to_keep = next((p.default for p in parameters if p.name == "logits_to_keep"), 0)
 
     @functools.wraps(original)
     def forward(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
         if len(args) > len(names) or any(name in kwargs for name in names[:len(args)]):
             return original(self, *args, **kwargs)  # let the original raise its TypeError
         kwargs.update(zip(names, args))
-        if not _fusable(self, kwargs.get("labels"), kwargs.get("logits_to_keep", 0)):
+        if not _fusable(self, kwargs.get("labels"), kwargs.get("logits_to_keep", logits_to_keep)):
             return original(self, **kwargs)
         return fused(self, **kwargs)
 
