@@ -36,7 +36,7 @@ def test_over_tolerance_exits_1(tmp_path: Path, capsys: pytest.CaptureFixture) -
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--atc", "--opset", "18", "--soc-version", "Ascend910B1"], "ATC reads ONNX opsets 11 to 15; opset 18"),
+    (["--atc", "--opset", "19", "--soc-version", "Ascend910B1"], "ATC reads ONNX opsets 9 to 18; opset 19"),
     (["--atc", "--device", "cpu"], "pass --soc-version"),
     (["--atc", "--soc-version", "Ascend910B1", "--batch-sizes", "1,2"], "--batch-sizes needs --dynamic-batch"),
     (["--soc-version", "Ascend910B1"], "add --atc"),

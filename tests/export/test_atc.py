@@ -43,7 +43,7 @@ def test_static_and_dynamic_dims_commands() -> None:
                       "--input_shape=x:1,3,8,8"]
     dims = export.atc_command("m.onnx", soc_version="Ascend910B3", inputs=[("ids", (-1, -1))],
                               dynamic_dims=[[1, 16], [4, 128]])
-    assert dims[-1] == "--dynamic_dims=1,16;4,128"
+    assert dims[-2:] == ["--dynamic_dims=1,16;4,128", "--input_format=ND"]  # ATC needs both together
     with pytest.raises(ValueError, match="besides the batch"):
         export.atc_command("m.onnx", soc_version="Ascend910B3", inputs=[("ids", (-1, -1))])
     with pytest.raises(ValueError, match="batch is fixed"):
@@ -52,10 +52,15 @@ def test_static_and_dynamic_dims_commands() -> None:
         export.atc_command("m.onnx", soc_version="Ascend910B3", inputs=[("x", (1, 3))], precision_mode="fp16")
 
 
-@pytest.mark.parametrize("opset", [10, 16, 18])
+@pytest.mark.parametrize("opset", [8, 19, 23])
 def test_opsets_atc_cannot_read_are_refused(opset: int) -> None:
-    with pytest.raises(ValueError, match=f"ATC reads ONNX opsets 11 to 15; opset {opset} is outside"):
+    with pytest.raises(ValueError, match=f"ATC reads ONNX opsets 9 to 18; opset {opset} is outside"):
         export.check_opset(opset)
+
+
+@pytest.mark.parametrize("opset", [9, 11, 15, 16, 17, 18])
+def test_opsets_atc_reads_are_accepted(opset: int) -> None:
+    export.check_opset(opset)
 
 
 def test_soc_version_from_the_npu(npu) -> None:

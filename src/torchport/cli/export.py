@@ -20,7 +20,7 @@ the relative error against PyTorch. Exit 1 when onnxruntime differs beyond toler
 the model cannot be exported (the message names the operator and the exporter).
 
 Opsets 11-17 are written by torch's TorchScript-based exporter, 18 and newer by its torch.export-based one.
---atc (opsets 11-15, which ATC reads) also writes NAME_atc.sh beside the file: the atc command that compiles it into
+--atc (opsets up to 18, which ATC reads; 15 by default, which older CANN releases read too) also writes NAME_atc.sh beside the file: the atc command that compiles it into
 an Ascend offline model NAME.om, and runs it when atc is on PATH.
 """
 
@@ -32,7 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument("target", metavar="TARGET", help="package.module:factory or path/to/file.py:factory")
     parser.add_argument("--onnx", metavar="OUT.onnx", required=True, help="the ONNX file to write")
-    parser.add_argument("--opset", type=int, help="ONNX opset (default: 15 with --atc, else 18)")
+    parser.add_argument("--opset", type=int, help="ONNX opset (default: 15 with --atc, else 18; ATC reads 9 to 18)")
     parser.add_argument("--dynamic-batch", action="store_true", help="make dim 0 of the batch inputs and outputs "
                                                                      "dynamic")
     parser.add_argument("--dtype", choices=("fp32", "fp16"), default="fp32", help="precision of the graph's weights "

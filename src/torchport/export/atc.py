@@ -1,8 +1,14 @@
 """The ``atc`` command that compiles an ONNX file into an Ascend offline model (``.om``), written to a script.
 
-ATC (CANN's model compiler) reads ONNX opsets 11 to 15 (``--framework=5``), needs the chip name
+ATC (CANN's model compiler) reads ONNX files (``--framework=5``) of opsets 9 to 18, needs the chip name
 (``--soc_version``) and every input's shape (``--input_shape``, ``-1`` for a dynamic dimension, with the sizes to
-compile for in ``--dynamic_batch_size`` or ``--dynamic_dims``).
+compile for in ``--dynamic_batch_size``, or in ``--dynamic_dims`` together with ``--input_format=ND``).
+
+Sources (the ATC documentation of CANN, hiascend.com): ``--dynamic_dims`` "is used with --input_shape and
+--input_format" and excludes ``--dynamic_batch_size``, 2 to 100 profiles (``devaids/atctool/atlasatcparam_16_0020``,
+CANN 7.0 to 9.0); the supported ONNX operators are listed per opset, v8/v9 up to v18 (the ONNX operator list of the
+CANN operator reference, e.g. Div: "Opset v8/v9/v10/v11/v12/v13/v14/v15/v16/v17/v18"), and a newer opset fails with
+E19010 "No parser is registered for Op" (Ascend case library, "ATC模型转换时ONNX文件Opset版本不兼容").
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ from .runtime import require
 __all__ = ["ATC_OPSETS", "DEFAULT_BATCH_SIZES", "PRECISION_MODES", "SOC_EXAMPLES", "atc_command", "check_opset",
            "graph_inputs", "run_atc", "soc_version", "write_atc_script"]
 
-#: ONNX opsets ATC reads.
-ATC_OPSETS = range(11, 16)
+#: ONNX opsets ATC reads (its operator parsers are documented per opset, up to v18; v9 is the oldest every
+#: operator torchport exports has).
+ATC_OPSETS = range(9, 19)
 #: ATC's ``--precision_mode`` values (CANN 8): fp32/fp16/bf16 choices for matrix and vector operators.
 PRECISION_MODES = ("force_fp32", "cube_fp16in_fp32out", "force_fp16", "allow_fp32_to_fp16", "must_keep_origin_dtype",
                    "allow_mix_precision", "allow_mix_precision_fp16", "allow_mix_precision_bf16",
@@ -37,9 +44,9 @@ def check_opset(opset: int) -> None:
     """Raise ValueError when ATC cannot read ``opset``.
 
     Example:
-        >>> check_opset(18)
+        >>> check_opset(20)
         Traceback (most recent call last):
-        ValueError: ATC reads ONNX opsets 11 to 15; opset 18 is outside that range: export with an opset from 11 to 15
+        ValueError: ATC reads ONNX opsets 9 to 18; opset 20 is outside that range: export with an opset from 9 to 18
     """
     if opset not in ATC_OPSETS:
         raise ValueError(f"ATC reads ONNX opsets {ATC_OPSETS[0]} to {ATC_OPSETS[-1]}; opset {opset} is outside that "
@@ -137,6 +144,7 @@ def atc_command(model_path: str | os.PathLike[str], *, soc_version: str,
         if not 2 <= len(profiles) <= 100:
             raise ValueError(f"dynamic_dims has {len(profiles)} profile(s); ATC takes 2 to 100")
         command.append("--dynamic_dims=" + ";".join(",".join(map(str, profile)) for profile in profiles))
+        command.append("--input_format=ND")  # ATC refuses --dynamic_dims without it
     elif beyond_batch:
         raise ValueError(f"the model has dynamic dimensions besides the batch ({', '.join(beyond_batch)}); give "
                          "dynamic_dims (the sizes to compile for), or export with those dimensions fixed")

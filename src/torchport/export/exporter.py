@@ -6,7 +6,7 @@ Which exporter writes which opset (measured with torch 2.13 on CPU; torch 2.9 to
 opset 11–17   the TorchScript-based exporter, ``torch.onnx.export(..., dynamo=False)``: deprecated since
               torch 2.9 but the only one that writes these opsets. Asked for opset 13, the torch.export-based
               exporter writes opset 18 anyway: its down-conversion fails on a plain CNN and it keeps the
-              model unchanged. ATC reads opsets 11–15 only.
+              model unchanged. ATC reads opsets 9–18.
 opset 18+     the torch.export-based exporter, ``dynamo=True`` (needs onnxscript); it covers more operators
               (a tiny Llama from transformers 5 exports only with it when no attention mask is passed:
               the TorchScript exporter has no ``aten::diff``).
@@ -169,7 +169,7 @@ def onnx(model: torch.nn.Module, example_inputs: Any, path: str | os.PathLike[st
 # -- arguments -------------------------------------------------------------------------------------------------------
 def _check_opset(opset: Any) -> int:
     if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET:
-        raise ValueError(f"opset={opset!r} is not supported; give an ONNX opset >= {MIN_OPSET} (ATC reads 11 to 15; "
+        raise ValueError(f"opset={opset!r} is not supported; give an ONNX opset >= {MIN_OPSET} (ATC reads 9 to 18; "
                          f"{DYNAMO_MIN_OPSET} and newer use torch's torch.export-based exporter)")
     return opset
 
@@ -409,8 +409,7 @@ def _hint(use_dynamo: bool, opset: int) -> str:
                 "https://pytorch.org/docs/stable/generated/exportdb/index.html). Opsets 11 to 17 use the "
                 "TorchScript-based exporter, which traces one path instead")
     return (f"Rewrite that part with operators ONNX opset {opset} has, or export at opset {DYNAMO_MIN_OPSET} or "
-            "newer, where torch's torch.export-based exporter covers more operators (ATC reads opsets 11 to 15 "
-            "only)")
+            "newer, where torch's torch.export-based exporter covers more operators (ATC reads opsets 9 to 18)")
 
 
 def _check_file(path: str, opset: int) -> None:
