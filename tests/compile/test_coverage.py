@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import io
 import json
 
@@ -88,11 +89,23 @@ def test_the_device_librarys_own_fallback_is_a_cpu_fallback(sim) -> None:
     assert not report.backward and {row.phase for row in report.rows} == {"forward"}
 
 
+def _only_torch_npu(version: str):
+    """``importlib.metadata.version`` of an environment whose torch_npu package is ``version``."""
+    real = importlib.metadata.version
+
+    def answer(name: str) -> str:
+        return version if name.replace("-", "_") == "torch_npu" else real(name)
+
+    return answer
+
+
 def test_without_torch_npu_the_snapshot_answers(monkeypatch) -> None:
     backend = NpuBackend()  # the real backend class; torch_npu is not loaded in this process
     if backend.has_kernel("aten::empty.memory_format") is not None:
         pytest.skip("torch_npu is loaded here: the dispatcher answers")
     monkeypatch.setattr(coverage_module, "get_backend", lambda name, source=None: backend)
+    # torch_npu 2.6's list, which lacks the tensor shift (2.14 has it): a listed composite with an unlisted part
+    monkeypatch.setattr(importlib.metadata, "version", _only_torch_npu("2.6.0.post5"))
 
     class Shifts(torch.nn.Module):
         def forward(self, q: torch.Tensor) -> torch.Tensor:  # attention (torch_npu has it whole), and a shift it lacks
@@ -101,7 +114,7 @@ def test_without_torch_npu_the_snapshot_answers(monkeypatch) -> None:
 
     q = torch.randn(1, 2, 4, 8, requires_grad=True)
     report = coverage(Shifts(), q, "npu")
-    assert report.source == "snapshot torch_npu_ops.txt (torch_npu 2.6.0.post5)"
+    assert report.source == "snapshot torch_npu_ops-2.6.txt (torch_npu 2.6.0.post5)"
     rows = _rows(report)
     attention = rows[("aten::scaled_dot_product_attention", "forward")]
     assert attention.status == "native" and attention.calls == 1 and "runs it whole" in attention.note
@@ -163,3 +176,24 @@ def test_a_device_nothing_can_answer_for_is_refused(monkeypatch) -> None:
         pytest.skip("this torch has CUDA kernels: the dispatcher answers")
     with pytest.raises(ValueError, match="cannot tell which operators cuda runs: its library is not loaded"):
         coverage(torch.nn.Linear(2, 2), torch.zeros(1, 2), "cuda")
+
+
+@pytest.mark.parametrize("installed, expected", [
+    ({"torch_npu": "2.6.0.post5"}, "torch_npu_ops-2.6.txt"),  # the installed torch_npu decides
+    ({"torch_npu": "2.9.0"}, "torch_npu_ops-2.6.txt"),
+    ({"torch_npu": "2.12.0.post2"}, "torch_npu_ops-2.14.txt"),
+    ({"torch": "2.13.0+cpu"}, "torch_npu_ops-2.14.txt"),       # else the installed torch
+    ({"torch": "2.7.1"}, "torch_npu_ops-2.6.txt"),
+    ({"torch": "2.20.0"}, "torch_npu_ops-2.14.txt"),
+])
+def test_npu_operator_list_of_the_nearest_release(monkeypatch, installed, expected) -> None:
+    from torchport.backends import npu as npu_backend
+
+    def version(name: str) -> str:
+        if name not in installed:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
+    monkeypatch.setattr(torch, "__version__", installed.get("torch", "2.13.0"))
+    assert npu_backend.NpuBackend().op_snapshot == expected

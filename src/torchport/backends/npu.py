@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import glob
 import importlib
+import importlib.metadata
 import importlib.util
 import logging
 import os
 import re
 import sys
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -45,6 +46,20 @@ def cann_version() -> str | None:
     return None
 
 
+def nearest_release(version: str, releases: Iterable[tuple[int, int]]) -> tuple[int, int]:
+    """The (major, minor) of ``releases`` nearest to ``version`` ("2.13.0+cpu"); the newer one on a tie.
+
+    Example:
+        >>> nearest_release("2.13.0+cpu", [(2, 6), (2, 14)])
+        (2, 14)
+    """
+    found = re.match(r"(\d+)\.(\d+)", version)
+    if found is None:
+        raise ValueError(f"version {version!r} does not start with major.minor")
+    major, minor = int(found.group(1)), int(found.group(2))
+    return min(releases, key=lambda r: (abs((r[0] - major) * 100 + r[1] - minor), -r[0], -r[1]))
+
+
 @register_backend("npu")
 class NpuBackend(Backend):
     name = "npu"
@@ -53,7 +68,8 @@ class NpuBackend(Backend):
     safetensors_direct = True
     profiler_activity = "PrivateUse1"  # torch_npu registers as PyTorch's PrivateUse1 backend
     dispatch_key = "PrivateUse1"
-    op_snapshot = "torch_npu_ops.txt"  # torch_npu's operator list, for coverage where torch_npu is not installed
+    #: torch_npu's operator lists shipped for coverage where torch_npu is not loaded, by the release they come from
+    OP_SNAPSHOTS = {(2, 6): "torch_npu_ops-2.6.txt", (2, 14): "torch_npu_ops-2.14.txt"}
     # torch_npu runs operators it has no kernel for on the CPU (its PrivateUse1 fallback, VariableFallbackKernel.cpp,
     # warning "CAUTION: The operator ... will fall back to run on the CPU" once per operator)
     host_fallback = True
@@ -61,6 +77,16 @@ class NpuBackend(Backend):
     def __init__(self) -> None:
         super().__init__()
         self._import_error: str | None = None
+
+    @property
+    def op_snapshot(self) -> str:  # type: ignore[override]
+        """The operator list of the torch_npu release nearest to the installed torch_npu (read from its package
+        metadata, without importing it), else to the installed torch: torch_npu releases pair with torch's."""
+        try:
+            wanted = importlib.metadata.version("torch_npu")
+        except importlib.metadata.PackageNotFoundError:
+            wanted = torch.__version__
+        return self.OP_SNAPSHOTS[nearest_release(wanted, self.OP_SNAPSHOTS)]
 
     def module(self) -> types.ModuleType:
         if not hasattr(torch, "npu"):

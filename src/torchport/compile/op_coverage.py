@@ -15,7 +15,7 @@ reaches the dispatcher's backends, with its calls and phase. Each is then marked
 * **missing**: none of these; running it there fails.
 
 Where the device's library is loaded, the dispatcher answers (:meth:`torchport.backends.Backend.op_support`).
-Where it is not, the backend's shipped operator list does (for Ascend: ``data/torch_npu_ops.txt``, torch_npu's
+Where it is not, the backend's shipped operator list does (for Ascend: ``data/torch_npu_ops-<release>.txt``, torch_npu's
 operator registration list of a named release; its header says what it covers and what not).
 
 Recording on another device than the target: where PyTorch builds an operator from others, the recording device's
