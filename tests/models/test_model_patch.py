@@ -137,6 +137,19 @@ def test_return_dict_false():
     assert isinstance(out, tuple) and out[0].dim() == 0
 
 
+def test_fused_loss_takes_the_hidden_states_from_the_base_model_the_forward_calls():
+    """Not from ``base_model_prefix``: transformers 4.56's Gemma3ForCausalLM sets it to "language_model" and keeps
+    its base model in ``model``, as every family in the table does."""
+    _needs("fused_linear_cross_entropy")
+    base = build("llama")
+    patched = torchport.patch(to_device(base, torch.device("cpu"), torch.float32))
+    patched.base_model_prefix = "language_model"
+    inputs = batch(torch.device("cpu"))
+    out = patched(**inputs)
+    assert out.logits is None
+    torch.testing.assert_close(out.loss, base(**inputs).loss)
+
+
 def test_weights_stay():
     model = build("phi3")
     before = {name: p for name, p in model.named_parameters()}

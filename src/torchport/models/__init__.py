@@ -147,7 +147,7 @@ def _make(recipe: _Recipe) -> Callable[..., Any]:
         return ops.make_norm_forward(family.norm, recipe.option)
     if recipe.kind == "mlp":
         return ops.make_mlp_forward(family.mlp, recipe.option, _original(_resolve(family, family.mlp.cls)))
-    return ops.make_fused_linear_forward(_original(_resolve(family, family.causal_lm)), family.softcap)
+    return ops.make_fused_linear_forward(_original(_resolve(family, family.causal_lm)), family.softcap, family.base)
 
 
 class _Forward:
@@ -356,8 +356,8 @@ def patch_transformers(model_type: str | None = None, **flags: bool) -> list[str
                 # the class attribute from binding self.
                 _hold(lm_cls, "_loss_function", lambda _: staticmethod(ops.causal_lm_loss), holder)
             if flags["fused_linear_cross_entropy"]:
-                _hold(lm_cls, "forward", lambda original: ops.make_fused_linear_forward(original, family.softcap),
-                      holder)
+                _hold(lm_cls, "forward",
+                      lambda original: ops.make_fused_linear_forward(original, family.softcap, family.base), holder)
     logger.info("torchport.patch_transformers: %s", ", ".join(families))
     return list(families)
 

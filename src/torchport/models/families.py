@@ -13,8 +13,9 @@ flag                   table field          what is replaced
 ``rope``               ``rope``             the module-level ``apply_rotary_pos_emb`` -> :func:`rope`
 ``cross_entropy``      ``causal_lm``        the causal LM's ``loss_function`` -> :func:`cross_entropy`
 ``fused_linear_...``   ``causal_lm``        the causal LM's forward: in training with labels, the loss of
-                                            ``lm_head(hidden)`` without the logits (soft-capped as the
-                                            family's ``softcap`` config attribute says)
+                       ``base``             ``lm_head(hidden)`` without the logits (soft-capped as the
+                                            family's ``softcap`` config attribute says); ``hidden`` comes from
+                                            the base model the causal LM holds in its ``base`` attribute
 =====================  ===================  ==========================================================
 
 Example:
@@ -65,6 +66,9 @@ class Family:
     causal_lm: str  # the causal-LM class (its loss and forward)
     rope: str = "apply_rotary_pos_emb"  # module-level function with Hugging Face's (q, k, cos, sin) contract
     softcap: str | None = None  # config attribute by which the logits are soft-capped (the fused loss does it too)
+    # The causal LM's attribute holding the base model its forward calls. Not base_model_prefix: transformers 4.56's
+    # Gemma3ForCausalLM says "language_model" there and keeps its base model in `model`.
+    base: str = "model"
 
 
 def _llama_like(name: str, prefix: str, **norm: object) -> Family:

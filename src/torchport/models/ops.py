@@ -164,12 +164,14 @@ def _head_arguments(lm_forward: Callable[..., Any], base_forward: Callable[..., 
     return frozenset(lm[1:]) - base
 
 
-def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None) -> Callable[..., Any]:
+def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None,
+                              base: str = "model") -> Callable[..., Any]:
     """A causal LM's forward whose training loss is :func:`torchport.kernels.fused_linear_cross_entropy` of the
     final hidden states and ``lm_head``: no ``[tokens, vocab]`` logits are made, and ``logits`` in the output is
     None. ``softcap`` names the config attribute by which the model soft-caps its logits (Gemma 2's
-    ``final_logit_softcapping``), passed to the kernel. The loss is float32, as transformers'. In evaluation,
-    without labels, with ``logits_to_keep`` or a wrapped ``lm_head``, it is ``original``.
+    ``final_logit_softcapping``), passed to the kernel. ``base`` names the attribute holding the base model that
+    ``original`` calls. The loss is float32, as transformers'. In evaluation, without labels, with
+    ``logits_to_keep`` or a wrapped ``lm_head``, it is ``original``.
 
     The base model gets the caller's arguments under the caller's names, less those the LM head consumes, and the
     output carries the base model's fields under the installed output class's names: the call is the one
@@ -183,9 +185,9 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None)
 
     @can_return_tuple
     def fused(self: nn.Module, **kwargs: Any) -> Any:
-        base = getattr(self, self.base_model_prefix)
-        head = _head_arguments(original, type(base).forward)
-        outputs = base(**{name: value for name, value in kwargs.items() if name not in head})
+        model = getattr(self, base)
+        head = _head_arguments(original, type(model).forward)
+        outputs = model(**{name: value for name, value in kwargs.items() if name not in head})
         hidden = outputs.last_hidden_state
         labels = kwargs.get("labels")
         ignore_index = kwargs.get("ignore_index", IGNORE_INDEX)
