@@ -71,7 +71,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         >>> main(["doctor", "--device", "cpu"])
         0
     """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    program = None
+    command = next((i for i, token in enumerate(argv) if not token.startswith("-")), None)
+    if command is not None and argv[command] == "run":
+        # what follows the script or -m MODULE is the program's, as after `python script.py`: argparse would read
+        # the program's options as torchport's, so they are set aside before it parses
+        own, program = run.split_arguments(argv[command + 1:])
+        argv = [*argv[:command + 1], *own]
     args = build_parser().parse_args(argv)
+    if program is not None:
+        args.program = program
     try:
         return args.handler(args)
     except argparse.ArgumentError as exc:

@@ -8,9 +8,10 @@ import runpy
 import subprocess
 import sys
 import traceback
+from collections.abc import Sequence
 from types import TracebackType
 
-__all__ = ["HELP", "add_arguments", "handle", "run_program"]
+__all__ = ["HELP", "add_arguments", "handle", "run_program", "split_arguments"]
 
 HELP = "run a CUDA-written script (or -m module) unchanged on the device present: NPU, GPU or CPU"
 _CHILD_HOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "compat", "child")
@@ -24,7 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "starts: speed, balanced or memory (default: TORCHPORT_MODE)")
     parser.add_argument("-m", dest="module", metavar="MODULE", help="run a library module as a script")
     parser.add_argument("program", nargs=argparse.REMAINDER, metavar="script.py [args ...]",
-                        help="the script and its arguments (with -m: the module's arguments)")
+                        help="the script and its arguments (with -m: the module's arguments). As with python, "
+                             "everything after the script or module belongs to the program; a '--' before the "
+                             "script or right after the script or module is dropped, to pass a literal '--' write "
+                             "it twice")
     group = parser.add_argument_group(
         "several processes", "start the program once per device through torchrun (torch.distributed.run); the "
         "other options are passed on to torchrun for multi-node runs")
@@ -38,6 +42,60 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 # torchrun options taking a value that `torchport run --nproc-per-node` passes through
 _TORCHRUN_VALUES = ("--nnodes", "--node-rank", "--master-addr", "--master-port", "--rdzv-backend", "--rdzv-endpoint",
                     "--rdzv-id", "--rdzv-conf", "--max-restarts", "--monitor-interval", "--log-dir", "--local-addr")
+
+
+# torchport run's own options that take a value (the others are switches); -m ends the options, as in python
+_VALUED = ("--device", "--mode", "--nproc-per-node", *_TORCHRUN_VALUES)
+_SWITCHES = ("-h", "--help", "--report", "--standalone")
+
+
+def split_arguments(tokens: Sequence[str]) -> tuple[list[str], list[str]]:
+    """Split what follows ``torchport run`` into its own options and the program's command line, as python does.
+
+    Options come first; the program starts at the first word that is not an option nor an option's value (the
+    script), or after ``-m MODULE``. Everything from there on is the program's, options included. One ``--`` is
+    dropped: before the script, or as the first argument after the script or module (``torchport run -m pkg.mod --
+    --flag`` passes ``--flag``, as ``python -m pkg.mod --flag`` does).
+
+    Returns:
+        (torchport's options, with ``-m MODULE`` when given; the script and its arguments, or the module's
+        arguments).
+
+    Example:
+        >>> split_arguments(["--device", "cpu", "-m", "pkg.mod", "--", "--flag"])
+        (['--device', 'cpu', '-m', 'pkg.mod'], ['--flag'])
+    """
+    own: list[str] = []
+    rest = list(tokens)
+    while rest:
+        token = rest.pop(0)
+        if token == "--":
+            return own, _drop_separator(rest, dropped=True)
+        if token == "-m" or (token.startswith("-m") and not token.startswith("--")):
+            module = token[2:] or (rest.pop(0) if rest else None)
+            if module is None:
+                return own + [token], []  # argparse says that -m needs a module
+            return own + ["-m", module], _drop_separator(rest, dropped=False)
+        if not token.startswith("-") or token == "-":
+            return own, [token, *_drop_separator(rest, dropped=False)]
+        own.append(token)
+        if "=" not in token and _takes_value(token) and rest:
+            own.append(rest.pop(0))
+    return own, []
+
+
+def _takes_value(option: str) -> bool:
+    """Whether ``option`` is one of torchport run's options with a value, or an abbreviation of only such ones
+    (argparse accepts ``--dev cpu`` for ``--device cpu``)."""
+    if option in _VALUED or option in _SWITCHES:
+        return option in _VALUED
+    matches = [name for name in (*_VALUED, *_SWITCHES) if option.startswith("--") and name.startswith(option)]
+    return bool(matches) and all(name in _VALUED for name in matches)
+
+
+def _drop_separator(arguments: list[str], dropped: bool) -> list[str]:
+    """The program's arguments without a leading ``--``, unless one was dropped already."""
+    return arguments[1:] if not dropped and arguments[:1] == ["--"] else arguments
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -141,7 +199,8 @@ def _launch(args: argparse.Namespace, passed: list[str]) -> int:
         inner.append("--report")
     if args.mode:
         inner += ["--mode", args.mode]
-    inner += ["-m", args.module, *args.program] if args.module else args.program
+    # with "--" the program's arguments reach it unchanged whatever they are, a leading "--" included
+    inner += ["-m", args.module, "--", *args.program] if args.module else ["--", *args.program]
     command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(count), *rendezvous, *passed,
                *inner]
     process = subprocess.Popen(command)
