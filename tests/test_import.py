@@ -38,6 +38,44 @@ def test_import_adds_little_to_import_torch() -> None:
     assert cost < 0.5, f"import torchport took {cost:.3f} s on top of import torch"
 
 
+def _public_names() -> tuple[list[str], list[str]]:
+    """The public subpackages (folders with an __init__.py) and modules of src/torchport, as found on disk."""
+    packages = sorted(p.name for p in SRC.iterdir() if (p / "__init__.py").is_file() and not p.name.startswith("_"))
+    modules = sorted(p.stem for p in SRC.glob("*.py") if not p.stem.startswith("_"))
+    return packages, modules
+
+
+def test_every_public_subpackage_is_an_attribute_after_import_torchport() -> None:
+    packages, modules = _public_names()
+    assert {"compat", "distributed", "testing", "kernels"} <= set(packages)  # the scan itself finds them
+    # auto redirects CUDA calls when imported: it is imported on purpose (`import torchport.auto`), never by a lookup
+    wanted = packages + [name for name in modules if name != "auto"]
+    out = _run(f"""
+        import sys, types, torchport
+        wanted = {wanted!r}
+        loaded = sorted(name for name in {packages!r} if "torchport." + name in sys.modules)
+        print(loaded)
+        print(sorted(set(wanted) - set(dir(torchport))))
+        print(sorted(name for name in wanted if getattr(torchport, name, None) is None))
+        print(sorted(name for name in {packages!r}
+                     if getattr(torchport, name) is not sys.modules.get("torchport." + name)))
+        print(callable(torchport.distributed.init), callable(torchport.compat.patch))
+        print("torchport.auto" in sys.modules)
+    """).split("\n")
+    assert out[0] == "['backends']", "import torchport imported more subpackages than the device API needs"
+    assert out[1] == "[]", f"missing from dir(torchport): {out[1]}"
+    assert out[2] == "[]", f"not reachable as torchport.<name>: {out[2]}"
+    assert out[3] == "[]", f"torchport.<name> is not the subpackage for: {out[3]}"
+    assert out[4:6] == ["True True", "False"]
+
+
+def test_the_lazy_list_names_every_subpackage_not_imported_eagerly() -> None:
+    import torchport
+
+    packages, _ = _public_names()
+    assert sorted(set(packages) - torchport._LAZY_SUBPACKAGES) == ["backends"]
+
+
 def _device_module_uses(source: str) -> list[int]:
     """Lines whose code (not strings or comments) names torch.cuda, torch.npu or torch_npu."""
     tokens = [t for t in tokenize.generate_tokens(io.StringIO(source).readline)

@@ -33,10 +33,13 @@ __all__ = [
     "synchronize",
 ]
 
-# Subpackages that pull in more than torch are imported on first use: ``torchport.kernels.rms_norm(...)`` works
-# after a bare ``import torchport`` without making that import slower.
-_LAZY_SUBPACKAGES = frozenset({"attention", "bench", "compile", "export", "kernels", "models", "modes", "offload",
-                               "quant", "verify"})
+# Every public subpackage (and the public modules not imported above) is imported on first use:
+# ``torchport.kernels.rms_norm(...)`` or ``torchport.distributed.init()`` works after a bare ``import torchport``
+# without making that import slower. ``torchport.backends`` is imported above (the device API is built on it), and
+# ``torchport.auto`` is left out: importing it redirects CUDA calls, which an attribute lookup must never do.
+_LAZY_SUBPACKAGES = frozenset({"attention", "bench", "cli", "compat", "compile", "distributed", "doctor", "export",
+                               "kernels", "migrate", "models", "modes", "offload", "quant", "testing", "ui",
+                               "verify"})
 # Functions served from a lazy subpackage: ``torchport.patch(model)`` imports torchport.models (and transformers
 # only when it patches).
 _LAZY_FUNCTIONS = {"patch": "models", "patch_transformers": "models", "unpatch": "models", "quantize": "quant",
