@@ -4,7 +4,9 @@
 through the ``torch_dynamo_backends`` entry-point group, so PyTorch finds it by name without an import. For each
 graph dynamo captures, the backend
 
-1. finds the graph's device (that of its tensor inputs) and whether gradients will flow through it;
+1. finds the graph's device (that of its tensor inputs) and whether it will be differentiated: grad mode is on
+   as it compiles and some input requires grad (parameters, which dynamo lifts into inputs, included), whatever
+   the modules' train/eval mode;
 2. runs the passes of :mod:`torchport.compile.passes` in order (fused torchport kernels for plain-PyTorch RMSNorm,
    SwiGLU, GeGLU, RoPE and cross-entropy; conv + batch-norm folding in eval mode; addmm; dead code; constant
    folding; channels-last where the device prefers it). The kernel-fusion passes are left out before Inductor,
@@ -46,6 +48,7 @@ from typing import Any
 
 import torch
 import torch.fx
+from torch import nn
 
 from .. import _logging, _settings
 from ..backends import get_backend
@@ -75,6 +78,12 @@ class GraphReport:
     nodes_after: int
     passes: list[PassRecord]
     compile_error: str | None = None
+    why: str = ""  # why the graph is a training (differentiated) or an inference graph
+
+    @property
+    def mode(self) -> str:
+        """``"training"`` when the graph will be differentiated, else ``"inference"``."""
+        return "training" if self.training else "inference"
 
     def changes(self) -> list[str]:
         """One line per pass that changed this graph or failed on it."""
@@ -85,6 +94,7 @@ class GraphReport:
             "index": self.index,
             "device": self.device,
             "training": self.training,
+            "why": self.why,
             "compiler": self.compiler,
             "nodes_before": self.nodes_before,
             "nodes_after": self.nodes_after,
@@ -103,24 +113,37 @@ class Explanation:
     the model has graph breaks, each of which splits it)."""
 
     graphs: list[GraphReport]
+    model_mode: str | None = None  # "eval", "training" or "mixed" (some modules in each) for a module; else None
 
     def changes(self) -> list[str]:
         """Every change, prefixed with its graph's index."""
         return [f"graph {g.index}: {line}" for g in self.graphs for line in g.changes()]
 
     def to_json(self) -> str:
-        return json.dumps({"graphs": [g.to_dict() for g in self.graphs]}, indent=2)
+        return json.dumps({"model_mode": self.model_mode, "graphs": [g.to_dict() for g in self.graphs]}, indent=2)
+
+    def _mode_line(self, graph: GraphReport) -> str:
+        line = f"{graph.mode}: {graph.why}"
+        if self.model_mode is None:
+            return line
+        modules = {"eval": "the model is in eval mode", "training": "the model is in training mode",
+                   "mixed": "the model has modules in training mode and in eval mode"}[self.model_mode]
+        if graph.training and self.model_mode != "training":
+            # An eval-mode model called with grad on is differentiated all the same (fine-tuning with frozen batch
+            # norm does it); the passes must then keep every parameter's gradient.
+            return f"{line}; {modules}: explain it under torch.no_grad() to see the graph it compiles for inference"
+        return f"{line}; {modules}"
 
     def __str__(self) -> str:
         if not self.graphs:
             return "dynamo captured no graph (the model ran no tensor code, or dynamo skipped it)"
         lines = []
         for g in self.graphs:
-            mode = "training" if g.training else "inference"
             lines.append(
-                f"graph {g.index} ({g.device}, {mode}, compiler {g.compiler}): "
+                f"graph {g.index} ({g.device}, {g.mode}, compiler {g.compiler}): "
                 f"{g.nodes_before} -> {g.nodes_after} nodes"
             )
+            lines.append(f"  {self._mode_line(g)}")
             lines.extend(f"  {line}" for line in g.changes() or ["no pass changed this graph"])
             if g.compile_error:
                 lines.append(f"  compiler failed, ran eagerly: {g.compile_error}")
@@ -166,10 +189,36 @@ def _graph_device(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> to
     return default_device()
 
 
-def _training(example_inputs: Sequence[Any]) -> bool:
-    return torch.is_grad_enabled() and any(
-        isinstance(value, torch.Tensor) and value.requires_grad for value in example_inputs
-    )
+def _require_grad(count: int, noun: str) -> str:
+    return f"{count} {noun}{'' if count == 1 else 's'} require{'s' if count == 1 else ''} grad"
+
+
+def _differentiated(gm: torch.fx.GraphModule, example_inputs: Sequence[Any]) -> tuple[bool, str]:
+    """Whether the graph will be differentiated, and why, in words.
+
+    AOTAutograd builds a backward when grad mode is on as the graph compiles (dynamo guards on grad mode: a call
+    under another one compiles again) and some input requires grad. Dynamo lifts parameters into inputs, where they
+    require grad in eval mode too, so a module's train/eval mode does not decide it: an eval-mode model called with
+    grad on is differentiated, and a training-mode one under ``torch.no_grad()`` is not. Parameters the graph
+    module holds itself (a graph traced without dynamo) count as lifted ones.
+    """
+    if not torch.is_grad_enabled():
+        return False, "grad mode is off (torch.no_grad() or torch.inference_mode()), so no backward is built"
+    parameters = {id(p): p for p in gm.parameters() if p.requires_grad}
+    parameters.update((id(v), v) for v in example_inputs if isinstance(v, nn.Parameter) and v.requires_grad)
+    inputs = sum(1 for v in example_inputs if isinstance(v, torch.Tensor) and not isinstance(v, nn.Parameter)
+                 and v.requires_grad)
+    if not parameters and not inputs:
+        return False, "grad mode is on but no input or parameter requires grad, so no backward is built"
+    found = [_require_grad(count, noun) for count, noun in ((len(parameters), "parameter"), (inputs, "input")) if count]
+    return True, f"grad mode is on and {' and '.join(found)}, so a backward is built"
+
+
+def _model_mode(model: Any) -> str | None:
+    if not isinstance(model, nn.Module):
+        return None
+    modes = {module.training for module in model.modules()}
+    return "mixed" if len(modes) > 1 else "training" if model.training else "eval"
 
 
 def _compiler(device: torch.device, choice: str) -> tuple[str, Callable[..., Any] | None]:
@@ -204,12 +253,13 @@ def _prepare(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: dict
              index: int) -> tuple[torch.fx.GraphModule, GraphReport]:
     device = _graph_device(gm, example_inputs)
     name = opts["compiler"] if opts["compiler"] != "auto" else get_backend(device.type).dynamo_compiler()[0]
-    ctx = PassContext(device=device, training=_training(example_inputs), example_inputs=tuple(example_inputs),
-                      options=opts, compiler=name)
+    training, why = _differentiated(gm, example_inputs)
+    ctx = PassContext(device=device, training=training, example_inputs=tuple(example_inputs), options=opts,
+                      compiler=name)
     nodes_before = sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output"))
     gm, records = run_passes(gm, ctx, opts["passes"])
     report = GraphReport(index, str(device), ctx.training, name, nodes_before,
-                         sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")), records)
+                         sum(1 for n in gm.graph.nodes if n.op not in ("placeholder", "output")), records, why=why)
     return gm, report
 
 
@@ -219,9 +269,8 @@ def torchport_backend(gm: torch.fx.GraphModule, example_inputs: list[Any], *, mo
     opts = _options(options)
     gm, report = _prepare(gm, example_inputs, opts, 0)
     name, compiler = _compiler(torch.device(report.device), opts["compiler"])
-    _logging.log("compile", "graph of %d nodes on %s (%s): %d nodes after the passes, compiled with %s",
-                 report.nodes_before, report.device, "training" if report.training else "inference",
-                 report.nodes_after, name)
+    _logging.log("compile", "graph of %d nodes on %s (%s: %s): %d nodes after the passes, compiled with %s",
+                 report.nodes_before, report.device, report.mode, report.why, report.nodes_after, name)
     if compiler is None:
         return gm.forward
     try:
@@ -249,16 +298,21 @@ def explain(model: Callable[..., Any], *inputs: Any, options: dict[str, Any] | N
 
     Args:
         model: a module or function.
-        inputs, kwargs: what to call it with (gradients flow if they require grad and grad mode is on, which
-            makes the graphs training graphs: passes unsafe for training are then left out).
+        inputs, kwargs: what to call it with. The graphs are training graphs when they will be differentiated:
+            grad mode is on and some input or parameter requires grad, whatever the model's train/eval mode
+            (passes unsafe for training are then left out). Call ``explain`` as the model will run: under
+            ``torch.no_grad()`` to see what inference compiles. The report says which case it found and why.
         options: the backend's options (``compiler`` names the compiler the report mentions).
 
     Returns:
         An :class:`Explanation`; ``print`` it, or ``.changes()`` / ``.to_json()``.
 
     Example:
-        >>> print(torchport.compile.explain(model, input_ids))
+        >>> with torch.no_grad():
+        ...     print(torchport.compile.explain(model.eval(), input_ids))
         graph 0 (cpu, inference, compiler inductor): 412 -> 250 nodes
+          inference: grad mode is off (torch.no_grad() or torch.inference_mode()), so no backward is built; the
+          model is in eval mode
           rms_norm: replaced 33 RMSNorm subgraphs with torchport::rms_norm (412 -> 250 nodes)
     """
     opts = _options(options)
@@ -277,4 +331,4 @@ def explain(model: Callable[..., Any], *inputs: Any, options: dict[str, Any] | N
             torch.compile(model, backend=recorder)(*inputs, **kwargs)
         finally:
             torch._dynamo.reset()
-    return Explanation(graphs)
+    return Explanation(graphs, _model_mode(model))
