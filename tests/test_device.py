@@ -56,6 +56,25 @@ def test_forced_absent_device_says_why(monkeypatch: pytest.MonkeyPatch) -> None:
         torchport.device()
 
 
+def test_absent_npu_names_the_simulated_npu(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = get_backend("npu")
+    monkeypatch.setattr(backend, "is_available", lambda: False)
+    monkeypatch.setattr(backend, "unavailable_reason", lambda: "torch_npu is not installed")
+    with pytest.raises(RuntimeError) as err:
+        torchport.device("npu:0")
+    message = str(err.value)
+    assert "device='npu:0' asked for npu, but no npu device is available: torch_npu is not installed" in message
+    assert "set TORCHPORT_SIMULATE=npu" in message
+
+
+def test_absent_device_that_cannot_be_simulated_has_no_simulation_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    backend = get_backend("xpu")
+    monkeypatch.setattr(backend, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="asked for xpu") as err:
+        torchport.device("xpu:0")
+    assert "TORCHPORT_SIMULATE" not in str(err.value)
+
+
 def test_devices_lists_accelerators_then_cpu(device: torch.device) -> None:
     found = torchport.devices()
     assert found[-1] == torch.device("cpu") and device in found

@@ -39,6 +39,7 @@ def _select(kind: str, index: int | None, source: str) -> torch.device:
         raise RuntimeError(
             f"{source}={label!r} asked for {kind}, but no {kind} device is available: "
             f"{backend.unavailable_reason()}. Available device types: {', '.join(_available_types())}"
+            f"{_simulation_hint(kind)}"
         )
     if index is None:
         index = backend.current_index()
@@ -50,6 +51,14 @@ def _select(kind: str, index: int | None, source: str) -> torch.device:
             f"{_describe_devices(backend)}{hint}. Use an index below {backend.device_count()}."
         )
     return backend.device(index)
+
+
+def _simulation_hint(kind: str) -> str:
+    """How to try ``kind``'s code path on this machine, for the device types torchport can simulate."""
+    if kind not in _settings._SIMULATABLE:
+        return ""
+    return (f". To try the {kind} code path without one, set TORCHPORT_SIMULATE={kind}: a simulated {kind} whose "
+            f"arithmetic runs on the host (for tests and demos; its timings are the host's, not an {kind}'s)")
 
 
 def _env(name: str) -> str | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -114,6 +115,15 @@ def test_divergence_in_a_fresh_process(targets: Path) -> None:
     result = _torchport("verify", f"{targets}:planted", "--device", "npu", TORCHPORT_SIMULATE="npu")
     assert result.returncode == 1, result.stdout + result.stderr
     assert "first divergence: 3 (OnNpuShift)" in result.stdout and "Traceback" not in result.stderr
+
+
+def test_npu_absent_names_the_simulated_npu(targets: Path) -> None:
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed: the NPU is not missing")
+    result = _torchport("verify", f"{targets}:planted", "--device", "npu")
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("torchport verify: error: --device='npu' asked for npu")
+    assert "torch_npu is not installed" in result.stderr and "set TORCHPORT_SIMULATE=npu" in result.stderr
 
 
 def test_model_failing_on_the_device_names_the_layer(device: torch.device, targets: Path,
