@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -19,6 +20,8 @@ EXAMPLE = f"{ROOT / 'examples' / 'verify_target.py'}:factory"
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 TARGETS = textwrap.dedent('''
+    import time
+
     import torch
     from torch import nn
 
@@ -52,6 +55,22 @@ TARGETS = textwrap.dedent('''
 
     def wrong():
         return (Recording(),)
+
+
+    class Uneven(nn.Linear):
+        """Calls of alternating length above one row: a noisy machine, made on purpose."""
+
+        calls = 0
+
+        def forward(self, x):
+            if x.shape[0] > 1:
+                Uneven.calls += 1
+                time.sleep(0.03 if Uneven.calls % 2 else 0.001)
+            return super().forward(x)
+
+
+    def uneven():
+        return Uneven(4, 2), torch.randn(1, 4)
 ''')
 
 
@@ -121,5 +140,27 @@ def test_in_a_fresh_process_on_the_simulated_npu() -> None:
          "--iters", "2"],
         env={**clean, "COLUMNS": "200", "TORCHPORT_SIMULATE": "npu"}, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "torchport bench: npu:0, device events" in result.stdout and "MiB" in result.stdout
+    assert "torchport bench: npu:0 (simulated), device events" in result.stdout and "MiB" in result.stdout
+    assert "the device is simulated" in " ".join(result.stdout.split())
     assert "Traceback" not in result.stderr
+
+
+def test_npu_absent_names_the_simulated_npu(targets: Path) -> None:
+    if importlib.util.find_spec("torch_npu") is not None:
+        pytest.skip("torch_npu is installed: the NPU is not missing")
+    clean = {key: value for key, value in os.environ.items() if not key.startswith("TORCHPORT_")}
+    result = subprocess.run([sys.executable, "-m", "torchport", "bench", f"{targets}:tiled", "--device", "npu"],
+                            env={**clean, "COLUMNS": "200"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.startswith("torchport bench: error: --device='npu' asked for npu")
+    assert "torch_npu is not installed" in result.stderr and "set TORCHPORT_SIMULATE=npu" in result.stderr
+
+
+def test_a_wide_spread_is_named_under_the_table(targets: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    out_json = tmp_path / "bench.json"
+    assert main(["bench", f"{targets}:uneven", "--device", "cpu", "--batch-sizes", "1,2", "--warmup", "0",
+                 "--iters", "10", "--json", str(out_json)]) == 0
+    out = " ".join(capsys.readouterr().out.split())
+    assert "p80/p20" in out and "warning: p80/p20 above 1.5 at batch size 2:" in out
+    data = json.loads(out_json.read_text())
+    assert data["wide_spread"] == [2] and [p["wide_spread"] for p in data["points"]] == [False, True]

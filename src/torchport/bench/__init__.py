@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from .monitor import Monitor
 from .sweep import Sweep, SweepPoint, base_batch, batch_inputs, sweep
-from .timing import Result, measure, percentile
+from .timing import WIDE_SPREAD, Result, measure, percentile
 
-__all__ = ["Monitor", "Result", "Sweep", "SweepPoint", "base_batch", "batch_inputs", "measure", "percentile",
-           "sweep"]
+__all__ = ["WIDE_SPREAD", "Monitor", "Result", "Sweep", "SweepPoint", "base_batch", "batch_inputs", "measure",
+           "percentile", "sweep"]

@@ -7,7 +7,7 @@ from types import TracebackType
 from typing import Any
 
 from ..device import DeviceLike, resolve
-from .timing import EVENTS, HOST_CLOCK, Result
+from .timing import EVENTS, HOST_CLOCK, Result, is_simulated
 
 __all__ = ["Monitor"]
 
@@ -97,7 +97,8 @@ class Monitor:
         items = None if any(n is None for n in self._items) else tuple(self._items)
         peak = self._backend.memory_stats(self._index).get("peak_allocated")
         return Result(device=str(self.device), timer=EVENTS if self._uses_events else HOST_CLOCK,
-                      times_ms=tuple(self._times), warmup=self.warmup, peak_memory=peak, wall_ms=None, items=items)
+                      times_ms=tuple(self._times), warmup=self.warmup, peak_memory=peak, wall_ms=None, items=items,
+                      simulated=is_simulated(self._backend))
 
     def __repr__(self) -> str:
         return f"Monitor({self.device}, {self.steps} steps, warmup {self.warmup})"

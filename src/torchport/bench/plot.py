@@ -24,11 +24,11 @@ def plot_sweep(sweep: Sweep, path: str | os.PathLike[str], compare: Sweep | None
     speed, memory = figure.subplots(1, 2)
     done = [p for p in sweep.points if p.result is not None]
     sizes = [p.batch_size for p in done]
-    speed.plot(sizes, [p.result.throughput for p in done], marker="o", color="tab:blue", label=sweep.device)
+    speed.plot(sizes, [p.result.throughput for p in done], marker="o", color="tab:blue", label=sweep.label)
     if compare is not None:
         other = [p for p in compare.points if p.result is not None]
         speed.plot([p.batch_size for p in other], [p.result.throughput for p in other], marker="^",
-                   color="tab:green", label=compare.device)
+                   color="tab:green", label=compare.label)
         speed.legend(fontsize=8)
     speed.set_ylabel("throughput (items/s, median)")
     measured = [p for p in done if p.result.peak_memory is not None]
@@ -53,7 +53,7 @@ def plot_sweep(sweep: Sweep, path: str | os.PathLike[str], compare: Sweep | None
                 ax.axvline(point.batch_size, color="tab:red", alpha=0.4, linestyle=":")
                 ax.annotate(point.error.split(":")[0], xy=(point.batch_size, 0.02), xycoords=("data", "axes fraction"),
                             rotation=90, color="tab:red", fontsize=8, va="bottom")
-    title = f"torchport bench: {sweep.device}" + (f" ({sweep.dtype})" if sweep.dtype else "")
+    title = f"torchport bench: {sweep.label}" + (f" ({sweep.dtype})" if sweep.dtype else "")
     figure.suptitle(title)
     path = os.fspath(path)
     figure.savefig(path, format="png", dpi=110)

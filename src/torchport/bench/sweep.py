@@ -23,7 +23,7 @@ import torch
 from ..device import DeviceLike, resolve
 from ..verify.structure import call_model, leaves, map_tensors
 from ..verify.target import TargetError, unpack
-from .timing import Result, measure
+from .timing import WIDE_SPREAD, Result, device_label, is_simulated, measure
 
 __all__ = ["Sweep", "SweepPoint", "base_batch", "batch_inputs", "sweep"]
 
@@ -77,17 +77,33 @@ class SweepPoint:
 
 @dataclasses.dataclass
 class Sweep:
-    """The points of a batch-size sweep, in the order measured."""
+    """The points of a batch-size sweep, in the order measured; ``simulated``: the device is a simulated one."""
 
     device: str
     dtype: str | None
     batching: str
     points: list[SweepPoint]
+    simulated: bool = False
 
     @property
     def ok(self) -> bool:
         """Whether every batch size ran."""
         return all(point.error is None for point in self.points)
+
+    @property
+    def label(self) -> str:
+        """The device as the table and the plot name it: ``"npu:0 (simulated)"`` for a simulated device."""
+        return device_label(self.device, self.simulated)
+
+    @property
+    def wide_spread(self) -> list[int]:
+        """The batch sizes whose p80/p20 exceeds :data:`~torchport.bench.timing.WIDE_SPREAD` (unreliable medians).
+
+        Example:
+            >>> sweep(factory, [1, 8]).wide_spread
+            []
+        """
+        return [p.batch_size for p in self.points if p.result is not None and p.result.wide_spread]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data, JSON-serialisable.
@@ -95,7 +111,8 @@ class Sweep:
         Example:
             >>> Path("bench.json").write_text(json.dumps(sweep(factory, [1, 8]).to_dict()))
         """
-        return {"ok": self.ok, "device": self.device, "dtype": self.dtype, "batching": self.batching,
+        return {"ok": self.ok, "device": self.device, "simulated": self.simulated, "dtype": self.dtype,
+                "batching": self.batching, "wide_spread": self.wide_spread,
                 "points": [point.to_dict() for point in self.points]}
 
     def table(self) -> Any:
@@ -104,17 +121,18 @@ class Sweep:
         from rich.text import Text
 
         timer = next((p.result.timer for p in self.points if p.result is not None), "")
-        table = Table(title=f"torchport bench: {self.device}" + (f" ({self.dtype})" if self.dtype else "")
+        table = Table(title=f"torchport bench: {self.label}" + (f" ({self.dtype})" if self.dtype else "")
                             + (f", {timer}" if timer else ""))
-        for column in ("batch", "median ms", "p20 ms", "p80 ms", "items/s", "peak memory"):
+        for column in ("batch", "median ms", "p20 ms", "p80 ms", "p80/p20", "items/s", "peak memory"):
             table.add_column(column, justify="right")
         for point in self.points:
             r = point.result
             if r is None:
-                table.add_row(str(point.batch_size), Text(point.error or "", style="bold red"), "", "", "", "")
+                table.add_row(str(point.batch_size), Text(point.error or "", style="bold red"), "", "", "", "", "")
                 continue
             memory = "n/a" if r.peak_memory is None else f"{r.peak_memory / 2**20:,.1f} MiB"
-            table.add_row(str(point.batch_size), f"{r.median_ms:.3f}", f"{r.p20_ms:.3f}", f"{r.p80_ms:.3f}",
+            spread = Text(f"{r.spread:.2f} wide", style="bold yellow") if r.wide_spread else Text(f"{r.spread:.2f}")
+            table.add_row(str(point.batch_size), f"{r.median_ms:.3f}", f"{r.p20_ms:.3f}", f"{r.p80_ms:.3f}", spread,
                           f"{r.throughput:,.1f}" if r.throughput is not None else "", memory)
         return table
 
@@ -128,7 +146,14 @@ class Sweep:
         note = f"batch sizes: {self.batching}"
         if any(p.result is not None and p.result.peak_memory is None for p in self.points):
             note += "; peak memory n/a: this device keeps no count of tensor bytes"
+        if self.simulated:
+            note += "; the device is simulated (TORCHPORT_SIMULATE): its times are the host's, not a device's"
         console.print(Text(note), soft_wrap=True)
+        if self.wide_spread:
+            sizes = ", ".join(map(str, self.wide_spread))
+            console.print(Text(f"warning: p80/p20 above {WIDE_SPREAD} at batch size {sizes}: those medians are "
+                               "unreliable; time more calls (--iters), warm up longer (--warmup), or use a quieter "
+                               "machine", style="yellow"), soft_wrap=True)
 
     def plot(self, path: str | os.PathLike[str], compare: Sweep | None = None) -> str:
         """Write a PNG: throughput and peak memory against batch size, with ``compare``'s throughput beside it
@@ -209,7 +234,7 @@ def sweep(factory: Callable[..., Any], batch_sizes: Sequence[int] | None = None,
             bar.advance(task)
             del model, inputs
     return Sweep(device=str(target), dtype=None if dtype is None else str(dtype).removeprefix("torch."),
-                 batching=batching, points=points)
+                 batching=batching, points=points, simulated=is_simulated(backend))
 
 
 def _measure_point(model: torch.nn.Module, inputs: Any, size: int, device: torch.device, dtype: torch.dtype | None,

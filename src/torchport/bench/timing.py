@@ -10,10 +10,15 @@ from typing import Any
 
 from ..device import DeviceLike, resolve
 
-__all__ = ["Result", "measure", "percentile"]
+__all__ = ["WIDE_SPREAD", "Result", "device_label", "is_simulated", "measure", "percentile"]
 
 EVENTS = "device events"
 HOST_CLOCK = "host clock, synchronised"
+# p80/p20 above which a median is flagged as unreliable. At 1.5 the middle 60% of the calls spans half the median or
+# more, and medians of repeated runs move by as much as the speed-ups people read benchmarks for: five runs of a
+# 256x256 matmul on this project's 2-core shared CPU machine gave p80/p20 of 1.31 to 1.77 and medians of 0.27 to
+# 0.33 ms (22% apart). A device timed with events on a quiet machine stays within a few percent.
+WIDE_SPREAD = 1.5
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -32,6 +37,26 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
 
 
+def is_simulated(backend: Any) -> bool:
+    """Whether a backend is a simulated device (``TORCHPORT_SIMULATE``): its timings are the host's, not a device's.
+
+    Example:
+        >>> is_simulated(get_backend("cpu"))
+        False
+    """
+    return bool(backend.versions().get("simulated"))
+
+
+def device_label(device: str, simulated: bool) -> str:
+    """How tables and plots name a device: ``"npu:0 (simulated)"`` for a simulated one.
+
+    Example:
+        >>> device_label("npu:0", True)
+        'npu:0 (simulated)'
+    """
+    return f"{device} (simulated)" if simulated else device
+
+
 @dataclasses.dataclass(frozen=True)
 class Result:
     """Times of the measured calls (or steps), in milliseconds, and what they cost in memory.
@@ -41,7 +66,8 @@ class Result:
     whose allocator keeps no count (the CPU: PyTorch does not count host tensor bytes, and the process's resident
     set is not tensor memory). ``wall_ms`` is the synchronised host time of all measured calls divided by their
     number (None for :class:`Monitor`, whose steps are spread over the caller's loop). ``items`` is the work per
-    call (samples, tokens...), for ``throughput``.
+    call (samples, tokens...), for ``throughput``. ``simulated`` says that the device is a simulated one, whose
+    times are the host's. ``wide_spread`` says that p80/p20 exceeds :data:`WIDE_SPREAD`: the median is unreliable.
     """
 
     device: str
@@ -51,6 +77,25 @@ class Result:
     peak_memory: int | None = None
     wall_ms: float | None = None
     items: tuple[float, ...] | None = None
+    simulated: bool = False
+
+    @property
+    def label(self) -> str:
+        """The device as tables name it: ``"npu:0 (simulated)"`` for a simulated device."""
+        return device_label(self.device, self.simulated)
+
+    @property
+    def spread(self) -> float:
+        """p80 / p20 of the times: 1.0 when every call took as long; inf when p20 is 0 and p80 is not."""
+        low, high = self.p20_ms, self.p80_ms
+        if low <= 0:
+            return 1.0 if high <= 0 else math.inf
+        return high / low
+
+    @property
+    def wide_spread(self) -> bool:
+        """Whether p80/p20 exceeds :data:`WIDE_SPREAD`, so that the median may not be repeatable."""
+        return self.spread > WIDE_SPREAD
 
     @property
     def iters(self) -> int:
@@ -88,16 +133,20 @@ class Result:
             "min_ms": min(self.times_ms), "max_ms": max(self.times_ms), "wall_ms": self.wall_ms,
             "peak_memory": self.peak_memory,
             "throughput": throughput if throughput is None or math.isfinite(throughput) else None,
-            "times_ms": list(self.times_ms),
+            "simulated": self.simulated, "spread": self.spread if math.isfinite(self.spread) else None,
+            "wide_spread": self.wide_spread, "times_ms": list(self.times_ms),
         }
 
     def __str__(self) -> str:
         text = (f"{self.median_ms:.3f} ms median (p20 {self.p20_ms:.3f}, p80 {self.p80_ms:.3f}) over {self.iters} "
-                f"calls on {self.device}, {self.timer}")
+                f"calls on {self.label}, {self.timer}")
         if self.throughput is not None:
             text += f"; {self.throughput:,.1f} items/s"
         if self.peak_memory is not None:
             text += f"; peak memory {self.peak_memory / 2**20:,.1f} MiB"
+        if self.wide_spread:
+            text += (f"; warning: p80/p20 is {self.spread:.1f} (above {WIDE_SPREAD}), the median is unreliable: time "
+                     "more calls, warm up longer, or use a quieter machine")
         return text
 
 
@@ -169,4 +218,4 @@ def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, device: 
     peak = backend.memory_stats(index).get("peak_allocated")
     return Result(device=str(backend.device(index)), timer=EVENTS if use_events else HOST_CLOCK,
                   times_ms=tuple(times), warmup=warmup, peak_memory=peak, wall_ms=wall * 1e3 / iters,
-                  items=None if per_call is None else (per_call,) * iters)
+                  items=None if per_call is None else (per_call,) * iters, simulated=is_simulated(backend))

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from .. import _settings
-from ..bench import Result, measure
+from ..bench import WIDE_SPREAD, Result, measure
 from ..device import devices, resolve
 from .jobs import Job, done, failed, run_job, wire_action
 
@@ -297,7 +297,8 @@ def timing_rows(result: Benchmark) -> list[list[str]]:
             continue
         speed = "-" if ref is None or r.median_ms <= 0 else f"{ref / r.median_ms:.2f}x"
         peak = "not counted" if r.peak_memory is None else f"{r.peak_memory / 2**20:,.1f} MiB"
-        rows.append([label, f"{r.median_ms:.3f}", f"{r.p20_ms:.3f}", f"{r.p80_ms:.3f}", speed, peak, r.timer])
+        timer = r.timer + (f"; p80/p20 {r.spread:.1f}, median unreliable" if r.wide_spread else "")
+        rows.append([label, f"{r.median_ms:.3f}", f"{r.p20_ms:.3f}", f"{r.p80_ms:.3f}", speed, peak, timer])
     return rows
 
 
@@ -329,13 +330,20 @@ def summary(result: Benchmark) -> str:
         '**rms_norm** on `npu:0`, float32, rows × hidden 1024×1024, forward; ... Fastest: **npu**, 1.40x ...'
     """
     passes = "forward + backward" if result.backward else "forward"
-    head = (f"**{result.op}** on `{result.device}`, {result.dtype}, {result.shape}, {passes}; {WARMUP} warm-up and "
-            f"{ITERS} timed calls per implementation. torchport picks **{result.auto}** here.")
     ran = [t for t in result.timings if t.result is not None]
+    device = ran[0].result.label if ran else result.device
+    head = (f"**{result.op}** on `{device}`, {result.dtype}, {result.shape}, {passes}; {WARMUP} warm-up and "
+            f"{ITERS} timed calls per implementation. torchport picks **{result.auto}** here.")
     ref = result.reference_ms()
     if len(ran) > 1 and ref is not None:
         best = min(ran, key=lambda t: t.result.median_ms)
         head += f" Fastest: **{best.implementation}**, {ref / best.result.median_ms:.2f}x the reference's speed."
+    wide = [t.implementation for t in ran if t.result.wide_spread]
+    if wide:
+        head += (f" Warning: p80/p20 above {WIDE_SPREAD} for {', '.join(wide)}: those medians are unreliable; "
+                 "benchmark again on a quieter machine.")
+    if ran and ran[0].result.simulated:
+        head += " The device is simulated: its times are the host's, not a device's."
     return head
 
 
