@@ -11,9 +11,17 @@ import os
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from .report import Report
+    from .report import LayerRow, Report
 
 __all__ = ["new_figure", "plot_report", "require_matplotlib"]
+
+# The x axis names the modules, rotated. At 7 points and 110 dpi a label is 11 pixels high: 60 of them fill the
+# 10-inch axis with a label's height between neighbours; past that, every k-th row is named (and the first
+# divergence always), and the other rows keep an unnamed tick. Names longer than 28 characters keep their end, which
+# names the module (``…layers.11.mlp.down_proj``).
+_MAX_LABELS = 60
+_LABEL_CHARS = 28
+_LABEL_POINTS = 7
 
 
 def require_matplotlib() -> None:
@@ -43,9 +51,47 @@ def new_figure(width: float, height: float) -> Any:
     return figure
 
 
+def _short(name: str) -> str:
+    """``name`` within ``_LABEL_CHARS`` characters: its end, from a dot where one is near, behind an ellipsis."""
+    if len(name) <= _LABEL_CHARS:
+        return name
+    tail = name[-(_LABEL_CHARS - 1):]
+    dot = tail.find(".")
+    return "…" + (tail[dot + 1:] if 0 <= dot < len(tail) // 2 else tail)
+
+
+def _named_rows(rows: list[LayerRow], first: LayerRow | None) -> list[LayerRow]:
+    """The rows whose names label the x axis: all that fit, else every k-th, counted from the first divergence so
+    that it is one of them and the labels stay evenly spaced."""
+    if len(rows) <= _MAX_LABELS:
+        return list(rows)
+    step = math.ceil(len(rows) / _MAX_LABELS)
+    start = 0 if first is None else rows.index(first) % step
+    return rows[start::step]
+
+
+def _label_axis(figure: Any, ax: Any, rows: list[LayerRow], first: LayerRow | None) -> None:
+    named = _named_rows(rows, first)
+    labels = [_short(row.name) for row in named]
+    rotation = 45 if len(named) <= 16 else 90
+    ax.set_xticks([row.index for row in named], labels, rotation=rotation, ha="right" if rotation == 45 else "center",
+                  rotation_mode="anchor" if rotation == 45 else "default", fontsize=_LABEL_POINTS)
+    if len(named) < len(rows):
+        ax.set_xticks([row.index for row in rows], minor=True)
+    for row, label in zip(named, ax.get_xticklabels()):
+        if not row.ok:
+            label.set_color("tab:red")
+            label.set_fontweight("bold" if row is first else "normal")
+    # The figure grows by the labels' height, so the plot keeps its size (a character is about 0.6 of the font size)
+    longest = max((len(label) for label in labels), default=0)
+    extra = longest * 0.6 * _LABEL_POINTS / 72 * math.sin(math.radians(rotation))
+    figure.set_size_inches(figure.get_figwidth(), figure.get_figheight() + extra)
+
+
 def plot_report(report: Report, path: str | os.PathLike[str]) -> str:
     """Relative error by row (execution order) on a log scale, the rtol line, failing rows in red, and the first
-    divergence marked with its name. Returns the path written.
+    divergence marked with its name. The x axis names each row's module (or parameter gradient), rotated; with many
+    rows, every k-th one and the first divergence, long names shortened to their end. Returns the path written.
 
     Example:
         >>> plot_report(torchport.verify.compare(model, x), "verify.png")
@@ -74,6 +120,7 @@ def plot_report(report: Report, path: str | os.PathLike[str]) -> str:
                     textcoords="offset points", color="tab:red", fontsize=9, va="top")
     ax.set_yscale("log")
     ax.set_ylim(floor / 2, ceiling * 2)
+    _label_axis(figure, ax, rows, first)
     ax.set_xlabel("module call, in execution order (gradients after the forward)")
     ax.set_ylabel("relative error ‖out − ref‖ / ‖ref‖")
     ax.set_title(f"{report.device} ({report.dtype}) against {report.reference} ({report.reference_dtype})")
