@@ -18,6 +18,8 @@ def test_registry_rows_are_the_kernel_table(npu: torch.device) -> None:
     rms = {row[1]: row for row in rows if row[0] == "rms_norm"}
     assert rms["cpu"][2] == "reference"
     assert rms["npu:0"][2] == "npu" and rms["npu:0"][3].startswith("npu")
+    assert all(row[4] not in ("", "-") for row in rows), [row for row in rows if row[4] in ("", "-")]
+    assert rms["cpu"][4].startswith("reference is the only implementation for cpu")
 
 
 def test_every_benchmarkable_op_is_registered_and_has_three_sizes() -> None:

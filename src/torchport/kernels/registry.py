@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import importlib.util
 import logging
 import threading
 import warnings
@@ -103,7 +104,8 @@ def register_kernel(
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as implementation ``name`` of ``op`` for the given device types (None: every device).
 
-    A second registration of the same op and name is refused. Every op must have a ``reference``.
+    A second registration of the same op and name is refused. Every op must have a ``reference``. An
+    implementation named ``triton`` requires the triton package unless ``requires`` says otherwise.
 
     Example:
         >>> @register_kernel("rms_norm", "mylib", devices=["cuda"], priority=20)
@@ -111,6 +113,8 @@ def register_kernel(
     """
     if name == "reference" and devices is not None:
         raise ValueError(f"the reference implementation of {op!r} must serve every device (devices=None)")
+    if name == "triton" and requires is None:
+        requires = _triton_reason
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _lock:
@@ -125,6 +129,14 @@ def register_kernel(
         return fn
 
     return decorate
+
+
+def _triton_reason(device: torch.device) -> str | None:
+    # Triton implementations import triton when first called; without it they could only fail there, so the
+    # registry skips them (auto) or refuses them (forced) with this reason, and `torchport kernels` shows it.
+    if importlib.util.find_spec("triton") is None:
+        return "Triton is not installed (pip install triton)"
+    return None
 
 
 def _ensure_loaded() -> None:
@@ -344,9 +356,15 @@ def fused_op_reason(name: str) -> Callable[[torch.device], str | None]:
 
 
 def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]:
-    """One row per op and device: the implementation a call would use now, and why others are not used.
+    """One row per op and device: the implementation a call would use now, and in ``notes`` why no faster one runs
+    (forced by ``TORCHPORT_KERNELS``, a library or vendor operator missing, another device type only, or the chosen
+    one is the fastest there is).
 
     ``devices`` defaults to the CPU and the first device of every accelerator present.
+
+    Example:
+        >>> table([torch.device("cpu")])[0]["notes"][0]
+        'reference is the only implementation for cpu'
     """
     _ensure_loaded()
     if devices is None:
@@ -360,14 +378,9 @@ def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]
     for op in sorted(_ops):
         impls = sorted(_ops[op].values(), key=lambda i: -i.priority)
         for dev in devices:
-            notes = []
-            for impl in impls:
-                if impl.serves(dev.type) and impl.name != "reference":
-                    reason = _available(impl, dev)
-                    if reason is not None:
-                        notes.append(f"{impl.name}: {reason}")
             try:
-                chosen = select(op, dev, quiet=True).name
+                impl = select(op, dev, quiet=True)
+                chosen, notes = impl.name, _why_not_faster(op, impls, dev, impl)
             except KernelError as exc:
                 chosen, notes = "error", [str(exc)]
             rows.append({
@@ -378,3 +391,30 @@ def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]
                 "notes": notes,
             })
     return rows
+
+
+def _why_not_faster(op: str, impls: Sequence[Implementation], device: torch.device,
+                    chosen: Implementation) -> list[str]:
+    """Why ``chosen``, and no implementation ranked above it, runs ``op`` on ``device``: one note per reason.
+
+    ``impls`` are all of the op's implementations, highest priority first.
+    """
+    mode, forced = _mode(op)
+    serving = [impl for impl in impls if impl.serves(device.type)]
+    auto = next((impl for impl in serving if _available(impl, device) is None), impls[-1])
+    notes = []
+    if forced:
+        overrides = _settings.value("kernels")
+        notes.append(f"forced by TORCHPORT_KERNELS ({op}={mode})" if op in overrides
+                     else f"forced by TORCHPORT_KERNELS={mode}")
+        if auto is not chosen:
+            notes.append(f"auto mode would use {auto.name}")
+    above = [impl for impl in impls if impl.priority > chosen.priority]
+    notes += [f"{impl.name}: {_available(impl, device)}" for impl in above
+              if impl.serves(device.type) and _available(impl, device) is not None]
+    if not forced and chosen is serving[0]:
+        notes.append(f"{chosen.name} is the only implementation for {device.type}" if len(serving) == 1
+                     else f"{chosen.name} is already the fastest implementation for {device.type}")
+    notes += [f"{impl.name} runs on {', '.join(sorted(impl.devices or ()))} only" for impl in above
+              if not impl.serves(device.type)]
+    return notes
