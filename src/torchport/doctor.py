@@ -29,11 +29,20 @@ from .device import device as selected_device
 from .device import devices, resolve
 from .info import torch_build
 
-__all__ = ["Check", "MIN_TORCH", "OPTIONAL_PACKAGES", "run_checks"]
+__all__ = ["Check", "MIN_TORCH", "OPTIONAL_PACKAGES", "REQUIRED_PACKAGES", "run_checks"]
 
 MIN_TORCH = "2.9"  # the oldest torch with torch.accelerator's memory API
-# Import names; looked up in package metadata, never imported (importing torch_npu registers a device).
-OPTIONAL_PACKAGES = ("triton", "transformers", "torch_npu", "onnxruntime", "safetensors", "numpy", "liger_kernel")
+# Import name -> (what to pip install, what needs it). Looked up in package metadata, never imported (importing
+# torch_npu registers a device). A missing one is skipped, not failed: torchport works without it.
+OPTIONAL_PACKAGES = {
+    "triton": ("triton", "the fused Triton kernels on GPUs"),
+    "transformers": ("transformers", "patching Hugging Face models (torchport.patch)"),
+    "torch_npu": ("torch-npu", "Ascend NPUs; take the release matching your torch, with CANN"),
+    "onnxruntime": (None, "torchport bench --onnx and checking ONNX exports"),  # the package that fits the device
+    "liger_kernel": ("liger-kernel", "the kernel benchmarks' comparison with Liger-Kernel"),
+}
+# Dependencies of torchport itself (pyproject.toml): a missing one fails.
+REQUIRED_PACKAGES = ("numpy", "safetensors")
 _ROUND_TRIP_BYTES = 16 * 2**20
 # Largest max|device fp32 - cpu fp64| / max|cpu fp64| that passes. Measured fp32 errors: 1.1e-7 to 3.0e-7 on CPU
 # (torch 2.13) and on an H100 (torch 2.11). Matmul, conv and the MLP may run in TF32 / HF32 (cuDNN and CANN allow
@@ -51,10 +60,18 @@ class Check:
     ok: bool
     detail: str
     data: dict[str, Any] = dataclasses.field(default_factory=dict)
+    skipped: bool = False  # nothing to check (an optional package that is not installed); not a failure
+
+    @property
+    def status(self) -> str:
+        """``"PASS"``, ``"FAIL"``, or ``"SKIP"`` for a check with nothing to check (which does not fail)."""
+        if self.skipped:
+            return "SKIP"
+        return "PASS" if self.ok else "FAIL"
 
     def to_dict(self) -> dict[str, Any]:
         """Plain data for JSON (values that JSON lacks, such as dtypes, are already strings)."""
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "status": self.status}
 
 
 def run_checks(device: str | None = None) -> list[Check]:
@@ -88,11 +105,14 @@ def run_checks(device: str | None = None) -> list[Check]:
             checks.append(_run(name, label, functools.partial(_compare, name, backend, index, make_inputs, compute)))
         checks.append(_run("memory", label, functools.partial(_check_memory, backend, index)))
     checks.extend(_run(package, None, functools.partial(_check_package, package)) for package in OPTIONAL_PACKAGES)
+    checks.extend(_run(package, None, functools.partial(_check_package, package)) for package in REQUIRED_PACKAGES)
     checks.append(_run("cann", None, _check_cann))
     return checks
 
 
-Outcome = tuple[bool, str, dict[str, Any]]
+# (passed, detail, data); passed is SKIPPED when there was nothing to check
+Outcome = tuple[Any, str, dict[str, Any]]
+SKIPPED = None
 
 
 def _run(name: str, device: str | None, check: Callable[[], Outcome]) -> Check:
@@ -102,6 +122,8 @@ def _run(name: str, device: str | None, check: Callable[[], Outcome]) -> Check:
         message = str(exc).strip().splitlines()
         detail = f"{type(exc).__name__}: {message[0]}" if message else type(exc).__name__
         return Check(name, device, False, detail, {"error": type(exc).__name__})
+    if ok is SKIPPED:
+        return Check(name, device, True, detail, data, skipped=True)
     return Check(name, device, ok, detail, data)
 
 
@@ -141,12 +163,20 @@ def _check_package(package: str) -> Outcome:
         except metadata.PackageNotFoundError:
             continue
         return True, version, {"version": version, "distribution": distribution}
-    return True, "not installed", {"version": None}
+    if package not in OPTIONAL_PACKAGES:
+        return False, f"not installed, and torchport needs it: pip install {package}", {"version": None}
+    install, needed_for = OPTIONAL_PACKAGES[package]
+    if install is None:  # onnxruntime: the build with the execution provider of this machine's first device
+        install = get_backend(devices()[0].type).onnxruntime_package
+    detail = f"not installed: pip install {install} (needed only for {needed_for})"
+    return SKIPPED, detail, {"version": None, "install": f"pip install {install}"}
 
 
 def _check_cann() -> Outcome:
     version = cann_version()
-    return True, version or "not installed", {"version": version}
+    if version is None:
+        return SKIPPED, "not installed (Ascend's CANN toolkit, needed only for Ascend NPUs)", {"version": None}
+    return True, version, {"version": version}
 
 
 # -- one device --------------------------------------------------------------------------------------------------

@@ -90,10 +90,50 @@ def test_every_device_passes(device: torch.device) -> None:
     assert exit_code(checks) == 0
 
 
-def test_missing_optional_package_passes_as_not_installed() -> None:
-    checks = _by_name(run_checks("cpu"), None)
-    assert checks["torch_npu"].ok  # never installed beside the simulated NPU or a CPU-only torch
-    assert checks["torch_npu"].detail == "not installed" or checks["torch_npu"].data["version"]
+def _uninstall(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make package metadata say that the distributions ``names`` are not installed."""
+    from torchport import doctor
+
+    real = doctor.metadata.version
+
+    def version(distribution: str) -> str:
+        if distribution in names:
+            raise doctor.metadata.PackageNotFoundError(distribution)
+        return real(distribution)
+
+    monkeypatch.setattr(doctor.metadata, "version", version)
+
+
+def test_missing_optional_package_is_skipped_not_passed(monkeypatch: pytest.MonkeyPatch,
+                                                        capsys: pytest.CaptureFixture) -> None:
+    _uninstall(monkeypatch, "transformers")
+    checks = run_checks("cpu")
+    transformers = _by_name(checks, None)["transformers"]
+    assert transformers.skipped and transformers.status == "SKIP" and transformers.ok  # not a failure
+    assert transformers.detail.startswith("not installed: pip install transformers (needed only for ")
+    assert transformers.to_dict()["status"] == "SKIP"
+    assert exit_code(checks) == 0
+
+    monkeypatch.setenv("COLUMNS", "200")
+    assert main(["doctor", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    row = next(line for line in out.splitlines() if line.startswith("│ transformers "))
+    assert "SKIP" in row and "PASS" not in row and "pip install transformers" in row
+    assert "skipped, not installed: " in out.strip().splitlines()[-1] and "transformers" in out.splitlines()[-1]
+    assert main(["doctor", "--device", "cpu", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is True
+    assert next(c for c in report["checks"] if c["name"] == "transformers")["status"] == "SKIP"
+
+
+def test_installed_packages_pass_and_a_missing_dependency_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    numpy = _by_name(run_checks("cpu"), None)["numpy"]
+    assert numpy.status == "PASS" and numpy.detail == numpy.data["version"]
+    _uninstall(monkeypatch, "numpy")
+    checks = run_checks("cpu")
+    numpy = _by_name(checks, None)["numpy"]
+    assert numpy.status == "FAIL" and "torchport needs it: pip install numpy" in numpy.detail
+    assert exit_code(checks) == 1
 
 
 def test_broken_dtype_probe_fails_with_its_message(monkeypatch: pytest.MonkeyPatch) -> None:

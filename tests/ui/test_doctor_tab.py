@@ -16,8 +16,17 @@ def test_run_on_one_device_passes_and_fills_the_table(npu: torch.device) -> None
     rows = doctor.check_rows(checks)
     assert all(len(row) == len(doctor.HEADERS) for row in rows)
     assert {row[1] for row in rows} == {"-", "npu:0"}  # machine checks have no device
-    assert {row[2] for row in rows} == {"PASS"}
-    assert doctor.summary(checks) == f"### All {len(checks)} checks passed"
+    assert {row[2] for row in rows} <= {"PASS", "SKIP"}
+    skipped = [check for check in checks if check.skipped]
+    assert [row[2] for row in rows if row[2] == "SKIP"] == ["SKIP"] * len(skipped)
+    assert doctor.summary(checks).startswith(f"### All {len(checks) - len(skipped)} checks passed")
+
+
+def test_a_missing_optional_package_is_skip_not_pass() -> None:
+    checks = [Check("torch", None, True, "torch 2.13"),
+              Check("liger_kernel", None, True, "not installed: pip install liger-kernel", skipped=True)]
+    assert [row[2] for row in doctor.check_rows(checks)] == ["PASS", "SKIP"]
+    assert doctor.summary(checks) == "### All 1 checks passed; 1 skipped, not installed: liger\\_kernel"
 
 
 def test_every_device_is_the_default(npu: torch.device) -> None:

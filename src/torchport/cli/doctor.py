@@ -21,7 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def exit_code(checks: Sequence[Check]) -> int:
-    """0 when every check passed, 1 when any failed.
+    """0 when every check passed, 1 when any failed; a skipped check (SKIP) does not fail.
 
     Example:
         >>> exit_code(run_checks("cpu"))
@@ -62,8 +62,13 @@ def render_json(checks: Sequence[Check]) -> str:
     return json.dumps(document, indent=2, default=str)
 
 
+_STYLES = {"PASS": "green", "FAIL": "bold red", "SKIP": "yellow"}
+
+
 def render_table(checks: Sequence[Check], console: Any) -> None:
-    """Print one row per check (check, device, PASS/FAIL, detail) and a summary line on a rich Console.
+    """Print one row per check (check, device, PASS/FAIL/SKIP, detail) and a summary line on a rich Console.
+
+    SKIP marks a check with nothing to check (an optional package that is not installed); it is not a failure.
 
     Example:
         >>> render_table(run_checks("cpu"), rich.console.Console())
@@ -77,13 +82,15 @@ def render_table(checks: Sequence[Check], console: Any) -> None:
     table.add_column("status", no_wrap=True)
     table.add_column("detail", overflow="fold")
     for check in checks:
-        status = Text("PASS", style="green") if check.ok else Text("FAIL", style="bold red")
+        status = Text(check.status, style=_STYLES[check.status])
         # Text(), not a markup string: a detail such as "[1, 2]" must print as written
         table.add_row(Text(check.name), Text(check.device or "-"), status, Text(check.detail))
     console.print(table)
     failed = [check for check in checks if not check.ok]
+    skipped = [check.name for check in checks if check.skipped]
+    skips = f"; {len(skipped)} skipped, not installed: {', '.join(skipped)}" if skipped else ""
     if failed:
         names = ", ".join(f"{check.name} ({check.device})" if check.device else check.name for check in failed)
-        console.print(Text(f"{len(failed)} of {len(checks)} checks failed: {names}", style="bold red"))
+        console.print(Text(f"{len(failed)} of {len(checks)} checks failed: {names}{skips}", style="bold red"))
     else:
-        console.print(Text(f"all {len(checks)} checks passed", style="green"))
+        console.print(Text(f"all {len(checks) - len(skipped)} checks passed{skips}", style="green"))

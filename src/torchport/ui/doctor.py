@@ -32,26 +32,30 @@ def run(job: Job, device: str = ALL_DEVICES) -> list[Check]:
 
 
 def check_rows(checks: Sequence[Check]) -> list[list[str]]:
-    """One table row per check: name, device (``-`` for the machine), PASS or FAIL, the detail.
+    """One table row per check: name, device (``-`` for the machine), PASS, FAIL or SKIP (nothing to check: an
+    optional package that is not installed), the detail.
 
     Example:
         >>> check_rows(run_checks("cpu"))[0]
         ['torch', '-', 'PASS', 'torch 2.13.0+cpu, built with no accelerator toolkit']
     """
-    return [[check.name, check.device or "-", "PASS" if check.ok else "FAIL", check.detail] for check in checks]
+    return [[check.name, check.device or "-", check.status, check.detail] for check in checks]
 
 
 def summary(checks: Sequence[Check]) -> str:
-    """Markdown: how many checks passed, and each failure with its explanation (what was found, what to do).
+    """Markdown: how many checks passed or were skipped, and each failure with its explanation (what was found, what
+    to do).
 
     Example:
         >>> summary(run_checks("cpu"))
-        '### All 16 checks passed'
+        '### All 16 checks passed; 3 skipped, not installed: torch\\_npu, liger\\_kernel, cann'
     """
     failed = [check for check in checks if not check.ok]
+    skipped = [check.name for check in checks if check.skipped]
+    skips = f"; {len(skipped)} skipped, not installed: {escape_markdown(', '.join(skipped))}" if skipped else ""
     if not failed:
-        return f"### All {len(checks)} checks passed"
-    lines = [f"### {len(failed)} of {len(checks)} checks failed"]
+        return f"### All {len(checks) - len(skipped)} checks passed{skips}"
+    lines = [f"### {len(failed)} of {len(checks)} checks failed{skips}"]
     for check in failed:
         where = f" on `{check.device}`" if check.device else ""
         lines.append(f"- **{check.name}**{where}: {escape_markdown(check.detail)}")
@@ -64,9 +68,8 @@ def _styled(rows: list[list[str]]) -> Any:
     frame = pd.DataFrame(rows, columns=HEADERS)
 
     def colour(row: Any) -> list[str]:
-        red = row["status"] == "FAIL"
-        return ["color: #b91c1c; font-weight: 600" if red and column in ("check", "status") else ""
-                for column in row.index]
+        style = {"FAIL": "color: #b91c1c; font-weight: 600", "SKIP": "color: #a16207"}.get(row["status"], "")
+        return [style if column in ("check", "status") else "" for column in row.index]
 
     return frame.style.apply(colour, axis=1)
 
