@@ -5,10 +5,13 @@ It is not modified for other devices. Run it anywhere with
     torchport run --report examples/train_cuda.py
 
 and its CUDA calls go to the device present: an Ascend NPU, a GPU, or the CPU (try the simulated NPU with
-TORCHPORT_SIMULATE=npu). `python examples/train_cuda.py` needs an NVIDIA GPU.
+TORCHPORT_SIMULATE=npu). `python examples/train_cuda.py` needs an NVIDIA GPU. The trained weights go to
+`--save-dir` (default: a new temporary directory), and the script prints where.
 """
 
 import argparse
+import os
+import tempfile
 
 import torch
 import torch.nn as nn
@@ -44,6 +47,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--save-dir", help="where to save the trained weights (default: a new temporary directory)")
     args = parser.parse_args()
 
     assert torch.cuda.is_available(), "this script needs CUDA"
@@ -77,7 +81,12 @@ def main() -> None:
         accuracy = (model(tokens[:, :-1]).argmax(-1) == tokens[:, 1:]).float().mean().item()
     print(f"{args.steps} steps in {start.elapsed_time(end) / 1e3:.2f} s; next-token accuracy {accuracy:.1%}; "
           f"peak memory {torch.cuda.max_memory_allocated() / 2**20:.1f} MiB")
-    torch.save(model.state_dict(), "/tmp/tiny_transformer.pt")
+
+    save_dir = args.save_dir or tempfile.mkdtemp(prefix="tiny_transformer-")
+    os.makedirs(save_dir, exist_ok=True)
+    path = os.path.join(save_dir, "tiny_transformer.pt")
+    torch.save(model.state_dict(), path)
+    print(f"saved the weights to {path}")
 
 
 if __name__ == "__main__":
