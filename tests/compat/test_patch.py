@@ -105,6 +105,36 @@ def test_libraries_get_the_real_answers(shim: torch.device) -> None:
     torch.manual_seed(0)
 
 
+def test_legacy_tensor_types_are_made_on_the_target(shim: torch.device) -> None:
+    import numpy as np
+
+    kind = shim.type
+    made = torch.cuda.FloatTensor(np.ones((2, 2)))
+    assert made.device.type == kind and made.dtype == torch.float32 and made.sum().item() == 4
+    assert torch.cuda.LongTensor(3).shape == (3,) and torch.cuda.LongTensor(3).dtype == torch.int64
+    assert torch.cuda.HalfTensor(2, np.int64(3)).shape == (2, 3)
+    assert torch.cuda.ByteTensor(torch.Size([4])).shape == (4,) and torch.cuda.BoolTensor().shape == (0,)
+    assert torch.cuda.FloatTensor([1.0, 2.0]).tolist() == [1.0, 2.0]
+    assert torch.cuda.IntTensor((2, 3)).tolist() == [2, 3]  # a tuple is data, as in torch's constructor
+    array = np.zeros(2, dtype=np.float32)
+    copied = torch.cuda.FloatTensor(array)
+    array[0] = 1.0
+    assert copied.tolist() == [0.0, 0.0]  # copied, as onto a GPU
+    assert torch.cuda.FloatTensor(made) is made
+    host = torch.arange(3)
+    for converted, dtype in ((host.type(torch.cuda.DoubleTensor), torch.float64),
+                             (host.type("torch.cuda.BFloat16Tensor"), torch.bfloat16),
+                             (host.type(dtype=torch.cuda.CharTensor, non_blocking=True), torch.int8)):
+        assert converted.device.type == kind and converted.dtype == dtype
+    assert host.type() == "torch.LongTensor" and host.type(torch.float16).dtype == torch.float16
+    assert isinstance(made, torch.cuda.FloatTensor) and not isinstance(made, torch.cuda.DoubleTensor)
+    assert not isinstance(np.ones(1), torch.cuda.FloatTensor)
+    with pytest.raises(TypeError, match=r"torch.cuda.FloatTensor\(...\) takes sizes"):
+        torch.cuda.FloatTensor([1.0], [2.0])
+    counts = {row["api"]: row["count"] for row in compat.report()["redirected"]}
+    assert counts["torch.cuda.FloatTensor"] >= 3 and counts["Tensor.type(torch.cuda)"] == 3
+
+
 def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:
     backend = get_backend(shim.type)
     fp16 = backend.autocast_dtype(torch.float16, 0) == torch.float16

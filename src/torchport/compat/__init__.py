@@ -1,8 +1,8 @@
 """The zero-change shim: code written for CUDA runs on whatever device is present.
 
 ``patch()`` maps every CUDA device name (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, ``.cuda()``,
-``torch.cuda.*``, autocast and GradScaler for "cuda", ``nccl``) onto the target device; ``unpatch()`` puts every
-attribute back. On a CUDA target nothing needs redirecting and nothing is patched. On the CPU,
+``torch.cuda.*``, the legacy ``torch.cuda.FloatTensor``-style types, autocast and GradScaler for "cuda", ``nccl``)
+onto the target device; ``unpatch()`` puts every attribute back. On a CUDA target nothing needs redirecting and nothing is patched. On the CPU,
 ``torch.cuda.is_available()`` answers True to the program (not to torch or other libraries, which would then pick
 CUDA-only internals), so the program takes its GPU path and that path runs on the host: autocast in bf16, loss
 scaling off, synchronize a no-op, memory functions reporting the process's resident memory.
@@ -62,11 +62,12 @@ def patch(target: DeviceLike = None) -> torch.device:
         patcher = Patcher()
         _state.update(target=chosen, patcher=patcher, guard=None)
         if backend.name != "cuda":  # on CUDA itself there is nothing to redirect
-            from . import cuda_api, cuda_only, torch_api
+            from . import cuda_api, cuda_only, tensor_types, torch_api
 
             torch_api.install(chosen, patcher, lambda *a, **k: cuda_api.make_event(chosen, *a, **k),
                               lambda *a, **k: cuda_api.make_stream(chosen, *a, **k))
             cuda_api.install(chosen, patcher)
+            tensor_types.install(chosen, patcher)
             _state["guard"] = cuda_only.install(chosen, patcher)
         return chosen.device(index)
 
