@@ -26,12 +26,13 @@ def shim(device: torch.device):
 
 def _snapshot() -> dict:
     import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils import cpp_extension
 
     owners = [torch, torch.Tensor, torch.nn.Module, torch.cuda, torch.cuda.amp, torch.cuda.nvtx, torch.amp,
-              torch.amp.autocast_mode, dist, DistributedDataParallel, torch.nn.DataParallel, torch.profiler.profile,
-              cpp_extension]
+              torch.amp.autocast_mode, dist, DistributedDataParallel, DeviceMesh, torch.nn.DataParallel,
+              torch.profiler.profile, cpp_extension]
     # identity, not equality (torch.nan != torch.nan); torch's private caches (_cached_device_count...) may fill in
     # while the shim looks at the devices, and are not the shim's to restore
     return {(id(o), name): id(o.__dict__.get(name)) for o in owners for name in list(vars(o))
@@ -103,6 +104,16 @@ def test_libraries_get_the_real_answers(shim: torch.device) -> None:
     exec("answer = torch.cuda.is_initialized()", library)  # noqa: S102
     assert library["answer"] == torch.cuda.is_initialized.__wrapped__()  # type: ignore[attr-defined]
     torch.manual_seed(0)
+
+
+def test_device_count_counts_the_ranks_that_share_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
+    compat.patch("cpu")
+    try:
+        assert torch.cuda.device_count() == 1
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")  # torchrun --nproc-per-node 4: four ranks on the one CPU
+        assert torch.cuda.device_count() == 4
+    finally:
+        compat.unpatch()
 
 
 def test_legacy_tensor_types_are_made_on_the_target(shim: torch.device) -> None:

@@ -92,8 +92,9 @@ def reference(corpus_root: Path, run_python):
     return stdout
 
 
-# The simulated NPU has no collective backend (a real NPU uses HCCL), so DDP runs on the CPU target only.
-NO_COLLECTIVES_ON_SIMULATED_NPU = {"ddp_nccl.py"}
+# The simulated NPU has no collective backend (a real NPU uses HCCL), so DDP and tensor parallelism run on the CPU
+# target only.
+NO_COLLECTIVES_ON_SIMULATED_NPU = {"ddp_nccl.py", "tensor_parallel.py"}
 
 
 def _cases():

@@ -1,8 +1,10 @@
 """`torchrun --nproc-per-node 2 --no-python torchport run ...`: two ranks of a script that asks for "nccl" run on the
-CPU (gloo), all_reduce across both, and train as one process would."""
+CPU (gloo), all_reduce across both, and train as one process would; two ranks of a tensor-parallel script that
+checks for a GPU per rank and builds a device mesh on "cuda" train as the unsharded model does in one process."""
 
 from __future__ import annotations
 
+import math
 import re
 import shutil
 import sys
@@ -39,3 +41,27 @@ def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python) ->
     assert ranks == [f"rank {rank} world 2 loss {loss} weight {weight} allreduce 9.000000" for rank in (0, 1)], (
         result.stdout + result.stderr
     )
+
+
+def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cpu(tmp_path: Path, run_python) -> None:
+    executable = _torchport_executable()
+    if executable is None:
+        pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
+    single = run_python(str(HERE / "corpus_cpu" / "tensor_parallel.py"), cwd=tmp_path)
+    assert single.returncode == 0, single.stderr
+    want = [float(loss) for loss in re.findall(r"step \d+ loss ([0-9.]+)", single.stdout)]
+    assert len(want) == 3, single.stdout
+
+    result = run_python(
+        "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
+        executable, "run", "--device", "cpu", str(HERE / "corpus" / "tensor_parallel.py"),
+        cwd=tmp_path, timeout=180,
+    )
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, f"exit {result.returncode}\n{output}"
+    for rank in (0, 1):
+        # sharded matmuls sum in another order than the unsharded one: equal up to float32 rounding
+        got = [float(loss) for loss in re.findall(rf"rank {rank} world 2 step \d+ loss ([0-9.]+)", result.stdout)]
+        assert len(got) == 3 and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, want)), output
+        assert f"rank {rank} shard (2, 2) gathered 28.0" in result.stdout, output
+        assert f"rank {rank} dropout zeros or twos True" in result.stdout, output

@@ -1,11 +1,12 @@
 """The zero-change shim: code written for CUDA runs on whatever device is present.
 
 ``patch()`` maps every CUDA device name (``"cuda"``, ``"cuda:N"``, ``torch.device("cuda", N)``, ``.cuda()``,
-``torch.cuda.*``, the legacy ``torch.cuda.FloatTensor``-style types, autocast and GradScaler for "cuda", ``nccl``)
-onto the target device; ``unpatch()`` puts every attribute back. On a CUDA target nothing needs redirecting and nothing is patched. On the CPU,
-``torch.cuda.is_available()`` answers True to the program (not to torch or other libraries, which would then pick
-CUDA-only internals), so the program takes its GPU path and that path runs on the host: autocast in bf16, loss
-scaling off, synchronize a no-op, memory functions reporting the process's resident memory.
+``torch.cuda.*``, the legacy ``torch.cuda.FloatTensor``-style types, autocast and GradScaler for "cuda", ``nccl``,
+device meshes on "cuda") onto the target device; ``unpatch()`` puts every attribute back. On a CUDA target nothing
+needs redirecting and nothing is patched. On the CPU, ``torch.cuda.is_available()`` answers True to the program
+(not to torch or other libraries, which would then pick CUDA-only internals), so the program takes its GPU path and
+that path runs on the host: autocast in bf16, loss scaling off, synchronize a no-op, memory functions reporting the
+process's resident memory, and ``torch.cuda.device_count()`` at least the number of torchrun ranks sharing the host.
 
 Example:
     >>> import torchport.compat

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, NamedTuple
@@ -120,6 +121,19 @@ def _memory(target: Target, key: str, host_key: str) -> Any:
     return read
 
 
+def _ranks_sharing(target: Target) -> int:
+    """How many processes of one launch share the host target: LOCAL_WORLD_SIZE under torchrun, else 1.
+
+    Each rank of ``torchrun --nproc-per-node N`` runs on the one host, so a program that checks it has a device per
+    rank (``if torch.cuda.device_count() < 2: sys.exit(...)``) is told there are N."""
+    if not target.host:
+        return 0
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    except ValueError:  # not a number: no launcher of ours set it
+        return 1
+
+
 def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small function per torch.cuda name
     """Replace the ``torch.cuda`` functions that CUDA-written programs call by ones that ask ``target``."""
     backend, cuda, record = target.backend, torch.cuda, target.recorder.record
@@ -146,7 +160,7 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
         patcher.set(cuda, name, call)
 
     for_user("is_available", backend.is_available)
-    for_user("device_count", backend.device_count)
+    for_user("device_count", lambda: max(backend.device_count(), _ranks_sharing(target)))
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (lazily queued when CUDA is absent)
     for_user("manual_seed", backend.manual_seed_all)
     for_user("manual_seed_all", backend.manual_seed_all)

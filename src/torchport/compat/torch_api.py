@@ -195,6 +195,27 @@ def _distributed(target: Target, patcher: Patcher) -> None:
         original_init(self, module, device_ids, output_device, *args, **kwargs)
 
     patcher.set(DistributedDataParallel, "__init__", ddp_init)
+    _device_mesh(target, patcher)
+
+
+def _device_mesh(target: Target, patcher: Patcher) -> None:
+    """``init_device_mesh("cuda", ...)`` and ``DeviceMesh("cuda", ...)`` build the mesh on the target's device type,
+    so DTensor, which asks the mesh's device module (random operators divide by its device count), runs there."""
+    try:
+        from torch.distributed.device_mesh import DeviceMesh
+    except ImportError:  # a torch built without distributed support
+        return
+    original_init = DeviceMesh.__init__
+
+    @functools.wraps(original_init)
+    def init(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "device_type" in kwargs:
+            kwargs["device_type"] = target.map(kwargs["device_type"], "DeviceMesh(cuda)")
+        elif args:
+            args = (target.map(args[0], "DeviceMesh(cuda)"), *args[1:])
+        original_init(self, *args, **kwargs)
+
+    patcher.set(DeviceMesh, "__init__", init)
 
 
 def _data_parallel(target: Target, patcher: Patcher) -> None:
