@@ -106,6 +106,33 @@ def test_libraries_get_the_real_answers(shim: torch.device) -> None:
     torch.manual_seed(0)
 
 
+def test_a_library_checking_a_cuda_device_the_program_handed_it_is_told_what_the_program_is(
+        shim: torch.device) -> None:
+    real = torch.cuda.is_available.__wrapped__()  # type: ignore[attr-defined]
+    library = {"__name__": "timm.utils.distributed", "torch": torch}
+    code = textwrap.dedent("""
+        def check(device="cuda"):
+            return torch.cuda.is_available(), torch.cuda.device_count()
+        def check_any(*args, **kwargs):
+            return torch.cuda.is_available()
+        def setup(options):
+            return check(options["device"])
+        def on_its_own():
+            return torch.cuda.is_available()
+    """)
+    exec(code, library)  # noqa: S102 - a library's frames, made on purpose
+    assert library["check"]("cuda")[0] is True and library["check"]("cuda")[1] >= 1
+    assert library["check"](torch.device("cuda", 0))[0] is True and library["check"]()[0] is True
+    assert library["check_any"]("cuda:1") is True and library["check_any"](device="cuda") is True
+    assert library["setup"]({"device": "cuda"})[0] is True  # handed down through the library's own frames
+    assert library["check"]("cpu")[0] == real and library["check_any"](3, device="meta") == real
+    assert library["on_its_own"]() == real
+    # torch itself is never told: it maps device names at its API and asks only to pick CUDA-only internals
+    inside_torch = {"__name__": "torch.distributed.fake", "torch": torch}
+    exec("def check(device):\n    return torch.cuda.is_available()", inside_torch)  # noqa: S102
+    assert inside_torch["check"]("cuda") == real
+
+
 def test_device_count_counts_the_ranks_that_share_the_host(monkeypatch: pytest.MonkeyPatch) -> None:
     compat.patch("cpu")
     try:

@@ -4,9 +4,10 @@
 ``torch.cuda.*``, the legacy ``torch.cuda.FloatTensor``-style types, autocast and GradScaler for "cuda", ``nccl``,
 device meshes on "cuda") onto the target device; ``unpatch()`` puts every attribute back. On a CUDA target nothing
 needs redirecting and nothing is patched. On the CPU, ``torch.cuda.is_available()`` answers True to the program
-(not to torch or other libraries, which would then pick CUDA-only internals), so the program takes its GPU path and
-that path runs on the host: autocast in bf16, loss scaling off, synchronize a no-op, memory functions reporting the
-process's resident memory, and ``torch.cuda.device_count()`` at least the number of torchrun ranks sharing the host.
+(not to torch or other libraries, which would then pick CUDA-only internals, unless a library is checking a CUDA
+device the program handed it), so the program takes its GPU path and that path runs on the host: autocast in bf16,
+loss scaling off, synchronize a no-op, memory functions reporting the process's resident memory, and
+``torch.cuda.device_count()`` at least the number of torchrun ranks sharing the host.
 
 Example:
     >>> import torchport.compat

@@ -6,12 +6,12 @@ import contextlib
 import functools
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import torch
 
-from .redirect import Patcher, Target, called_by_user
+from .redirect import Patcher, Target, asked_for_user, called_by_user
 
 __all__ = ["HostEvent", "HostStream", "install", "make_event", "make_stream"]
 
@@ -146,21 +146,22 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
 
         patcher.set(cuda, name, call)
 
-    def for_user(name: str, redirected: Any) -> None:
+    def for_user(name: str, redirected: Any, asks: Callable[[], bool] = called_by_user) -> None:
         """The program gets the target's answer; torch and other libraries keep CUDA's own (see called_by_user)."""
         original = getattr(cuda, name)
 
         @functools.wraps(original)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if called_by_user():
+            if asks():
                 record(f"torch.cuda.{name}")
                 return redirected(*args, **kwargs)
             return original(*args, **kwargs)
 
         patcher.set(cuda, name, call)
 
-    for_user("is_available", backend.is_available)
-    for_user("device_count", lambda: max(backend.device_count(), _ranks_sharing(target)))
+    # "Is there CUDA, and how much?" is also answered to a library checking a "cuda" the program handed it
+    for_user("is_available", backend.is_available, asked_for_user)
+    for_user("device_count", lambda: max(backend.device_count(), _ranks_sharing(target)), asked_for_user)
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (lazily queued when CUDA is absent)
     for_user("manual_seed", backend.manual_seed_all)
     for_user("manual_seed_all", backend.manual_seed_all)

@@ -1,11 +1,14 @@
 """The pieces every patch uses: where "cuda" goes (:class:`Target`), how attributes are swapped and restored
-(:class:`Patcher`), and whether a call comes from the user's program or from a library (:func:`called_by_user`)."""
+(:class:`Patcher`), and whether a call comes from the user's program or from a library (:func:`called_by_user`,
+:func:`asked_for_user`)."""
 
 from __future__ import annotations
 
+import inspect
 import sys
 import threading
 from collections.abc import Callable
+from types import FrameType
 from typing import Any
 
 import torch
@@ -13,7 +16,7 @@ import torch
 from ..backends import Backend
 from .report import Recorder
 
-__all__ = ["Patcher", "Target", "called_by_user"]
+__all__ = ["Patcher", "Target", "called_by_user", "asked_for_user"]
 
 # Libraries that ask torch.cuda.is_available() to choose CUDA-only internals (kernels, NCCL, streams). They get the
 # real answer; the user's program gets "yes" so it takes its GPU path. accelerate#3020 is this failure, seen with
@@ -24,10 +27,65 @@ _LIBRARIES = frozenset({
 })
 
 
+# Never answered for the user: torch maps CUDA device names at its own API (the shim patches it there), and asks
+# is_available() itself only to choose CUDA-only internals (lazy init, streams, NCCL).
+_DEVICE_LIBRARIES = frozenset({"torch", "torchport", "torch_npu", "triton"})
+
+
+def _package(frame: FrameType) -> str:
+    return (frame.f_globals.get("__name__") or "").partition(".")[0]
+
+
 def called_by_user(depth: int = 2) -> bool:
     """Whether the frame ``depth`` levels up belongs to the user's code rather than to a known library."""
-    name = sys._getframe(depth).f_globals.get("__name__") or ""
-    return name.partition(".")[0] not in _LIBRARIES
+    return _package(sys._getframe(depth)) not in _LIBRARIES
+
+
+def asked_for_user(depth: int = 2) -> bool:
+    """Whether the frame ``depth`` levels up is the user's code, or a library doing what the user's code asked of
+    it on a CUDA device.
+
+    A library asks ``torch.cuda.is_available()`` for one of two reasons: to choose CUDA-only internals on its own
+    initiative (then it must hear the truth), or to check that a device it was handed can be used, as a helper
+    called with ``device="cuda"`` that asserts CUDA is there before ``torch.device(device)``. The second is told
+    what the user's code is told, since the shim sends that device to the target. The call counts as the second
+    when the library's frames, from the user's call down to the question, hold a CUDA device (``"cuda"``,
+    ``"cuda:N"``, ``torch.device("cuda")``) among their arguments, and the frame that asks is not torch's own.
+    """
+    frame: FrameType | None = sys._getframe(depth)
+    if _package(frame) not in _LIBRARIES:
+        return True
+    if _package(frame) in _DEVICE_LIBRARIES:
+        return False
+    handed = False
+    while frame is not None:
+        if _package(frame) not in _LIBRARIES:
+            return handed  # the user's call into the library
+        handed = handed or _has_cuda_argument(frame)
+        frame = frame.f_back
+    return False  # no user code above: the library runs on its own (at import, in a thread it started)
+
+
+def _has_cuda_argument(frame: FrameType) -> bool:
+    code = frame.f_code
+    count = code.co_argcount + code.co_kwonlyargcount
+    star, double_star = code.co_flags & inspect.CO_VARARGS, code.co_flags & inspect.CO_VARKEYWORDS
+    names = code.co_varnames[:count + bool(star) + bool(double_star)]
+    values = frame.f_locals
+    for position, name in enumerate(names):
+        value = values.get(name)
+        if position >= count and isinstance(value, (tuple, dict)):  # *args, **kwargs
+            if any(_is_cuda(v) for v in (value.values() if isinstance(value, dict) else value)):
+                return True
+        elif _is_cuda(value):
+            return True
+    return False
+
+
+def _is_cuda(value: Any) -> bool:
+    if isinstance(value, str):
+        return value == "cuda" or value.startswith("cuda:")
+    return isinstance(value, torch.device) and value.type == "cuda"
 
 
 class Target:
