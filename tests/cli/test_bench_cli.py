@@ -58,14 +58,14 @@ TARGETS = textwrap.dedent('''
 
 
     class Uneven(nn.Linear):
-        """Calls of alternating length above one row: a noisy machine, made on purpose."""
+        """Calls of alternating length above one row (a noisy machine, made on purpose); 20 ms each with one row
+        (sub-millisecond calls can be noisy on a busy machine: the test wants one row flagged, not two)."""
 
         calls = 0
 
         def forward(self, x):
-            if x.shape[0] > 1:
-                Uneven.calls += 1
-                time.sleep(0.03 if Uneven.calls % 2 else 0.001)
+            Uneven.calls += 1
+            time.sleep(0.02 if x.shape[0] == 1 else 0.03 if Uneven.calls % 2 else 0.001)
             return super().forward(x)
 
 
