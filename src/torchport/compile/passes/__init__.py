@@ -104,7 +104,8 @@ class PassContext:
 
     Attributes:
         device: the device the graph runs on (that of its first tensor input, else torchport's device).
-        training: True when gradients flow through the graph (some input requires grad or a module is training).
+        training: True when a backward will be built: grad mode is on as it compiles and some input or parameter
+            requires grad (in ``eval()`` mode too).
         example_inputs: the example inputs dynamo passed to the backend.
         options: the backend's options.
         compiler: the compiler the graph goes to after the passes (``"eager"``, ``"inductor"``, ``"torchair"``...).
