@@ -401,7 +401,8 @@ def _why_not_faster(op: str, impls: Sequence[Implementation], device: torch.devi
     """
     mode, forced = _mode(op)
     serving = [impl for impl in impls if impl.serves(device.type)]
-    auto = next((impl for impl in serving if _available(impl, device) is None), impls[-1])
+    reference = next(impl for impl in impls if impl.name == "reference")
+    auto = next((impl for impl in serving if _available(impl, device) is None), reference)
     notes = []
     if forced:
         overrides = _settings.value("kernels")
