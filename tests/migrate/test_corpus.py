@@ -19,8 +19,9 @@ from torchport.migrate import migrate_paths
 
 HERE = Path(__file__).parent
 CORPUS = sorted((HERE / "corpus").glob("*.py"))
-# runs a script as __main__, then fails if torchport was imported along the way
-RUNNER = ("import runpy, sys; runpy.run_path(sys.argv[1], run_name='__main__'); "
+# runs a script as __main__ with the arguments after it (as `python script.py ARGS` would), then fails if torchport
+# was imported along the way
+RUNNER = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
           "assert not [m for m in sys.modules if m.startswith('torchport')], 'torchport was imported'")
 
 
@@ -33,10 +34,10 @@ def migrated(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return target
 
 
-def _run_all(paths: list[Path]) -> list[subprocess.CompletedProcess[str]]:
+def _run_all(paths: list[Path], *args: str) -> list[subprocess.CompletedProcess[str]]:
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0"}
-    procs = [subprocess.Popen([sys.executable, "-c", RUNNER, str(p)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              text=True, env=env, cwd=p.parent) for p in paths]
+    procs = [subprocess.Popen([sys.executable, "-c", RUNNER, str(p), *args], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True, env=env, cwd=p.parent) for p in paths]
     results = []
     for path, proc in zip(paths, procs):
         out, err = proc.communicate(timeout=120)

@@ -35,7 +35,11 @@ GOLDEN = [
     ("cuda-query", "n = torch.cuda.device_count()", "n = torch.accelerator.device_count()"),
     ("cuda-query", "ok = torch.cuda.is_available()", "ok = torch.accelerator.is_available()"),
     ("cuda-query", "i = torch.cuda.current_device()", "i = torch.accelerator.current_device_index()"),
-    ("cuda-query", "torch.cuda.set_device(rank)", "torch.accelerator.set_device_index(rank)"),
+    ("cuda-query", "f = torch.cuda.set_device", "f = torch.accelerator.set_device_index"),
+    ("cuda-set-device", "torch.cuda.set_device(rank)",
+     "if torch.accelerator.is_available():\n    torch.accelerator.set_device_index(rank)"),
+    ("cuda-set-device", "x = f(torch.cuda.set_device(0))",
+     "x = f((torch.accelerator.set_device_index(0) if torch.accelerator.is_available() else None))"),
     ("cuda-device-module", "torch.cuda.synchronize()", "torch.get_device_module(DEVICE).synchronize()"),
     ("cuda-device-module", "s = torch.cuda.current_stream()", "s = torch.get_device_module(DEVICE).current_stream()"),
     ("cuda-device-module", "n = torch.cuda.get_device_name(0)", "n = torch.get_device_module(DEVICE).get_device_name(0)"),
@@ -66,6 +70,12 @@ GOLDEN = [
     ("dist-backend", 'torch.distributed.init_process_group(backend="nccl", rank=r)',
      "torch.distributed.init_process_group(backend=torch.distributed.get_default_backend_for_device(DEVICE), "
      "rank=r)"),
+    ("dist-backend", "import torch.distributed as dist\ndist.init_process_group(backend=args.dist_backend)",
+     'dist.init_process_group(backend=dist.get_default_backend_for_device(DEVICE) if args.dist_backend == "nccl" '
+     "else args.dist_backend)"),
+    ("dist-backend", "import torch.distributed as dist\ndist.init_process_group(cfg['backend'], rank=r)",
+     "dist.init_process_group(dist.get_default_backend_for_device(DEVICE) if cfg['backend'] == \"nccl\" "
+     "else cfg['backend'], rank=r)"),
     ("ddp-device-ids", "from torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(m, device_ids=[r])",
      'm = DDP(m, device_ids=None if DEVICE.type == "cpu" else [r])'),
 ]
@@ -99,6 +109,19 @@ def test_every_rule_has_a_docstring_and_a_golden_pair() -> None:
     for rule_id in list_rules():
         assert get_rule(rule_id).doc, rule_id
         assert rule_id in covered, f"rule {rule_id} has no golden pair"
+
+
+@pytest.mark.parametrize("value", ["None", '"gloo"', "dist.get_default_backend_for_device(DEVICE)"])
+def test_a_backend_that_is_no_cuda_one_stays(value: str) -> None:
+    code = f"import torch\nimport torch.distributed as dist\ndist.init_process_group(backend={value})\n"
+    result = migrate_source(code)
+    assert result.code == code and result.unconverted == []
+
+
+def test_a_backend_from_a_call_is_reported() -> None:
+    result = migrate_source("import torch.distributed as dist\ndist.init_process_group(backend=pick())\n")
+    assert "backend=pick()" in result.code
+    assert [u.what for u in result.unconverted] == ["init_process_group(backend=<expression>)"]
 
 
 def test_strings_that_name_no_device_stay() -> None:

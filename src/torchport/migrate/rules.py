@@ -170,7 +170,8 @@ def cuda_query(original: cst.Attribute, updated: cst.Attribute, ctx: Context) ->
     """The CUDA module's ``is_available``, ``device_count``, ``current_device``, ``set_device`` -> ``torch.accelerator``.
 
     ``current_device`` becomes ``current_device_index`` and ``set_device`` becomes ``set_device_index``; the others
-    keep their names. Like the originals, the last two fail on a machine with no accelerator.
+    keep their names. Like the original, ``current_device_index`` fails on a machine with no accelerator; a call of
+    ``set_device`` is guarded by cuda-set-device.
     """
     name = ctx.source_attribute(original)
     if name not in _ACCELERATOR:
@@ -189,6 +190,19 @@ def cuda_device_module(original: cst.Attribute, updated: cst.Attribute, ctx: Con
     if name not in _DEVICE_MODULE:
         return None
     return ctx.expr("{torch}.get_device_module({device})." + name)
+
+
+@register_rule("cuda-set-device", cst.Call)
+def cuda_set_device(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
+    """The CUDA module's ``set_device(i)`` -> ``torch.accelerator.set_device_index(i)`` when an accelerator is there.
+
+    ``if torch.accelerator.is_available(): torch.accelerator.set_device_index(i)``. Distributed scripts call it unconditionally with their LOCAL_RANK; with no accelerator there is no device to
+    select (every rank shares the CPU), and ``set_device_index`` would raise. Not a whole statement, it becomes
+    ``(... if torch.accelerator.is_available() else None)``.
+    """
+    if ctx.source_attribute(original.func) != "set_device":
+        return None
+    return ctx.guarded(updated, "None")
 
 
 _MEMORY_VALUES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
@@ -327,7 +341,10 @@ def amp_import(original: cst.ImportFrom, updated: cst.ImportFrom, ctx: Context) 
 def dist_backend(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
     """``dist.init_process_group("nccl")`` -> ``dist.init_process_group(dist.get_default_backend_for_device(DEVICE))``.
 
-    nccl on CUDA, hccl on an Ascend NPU, gloo on the CPU. Also ``backend="nccl"``.
+    nccl on CUDA, hccl on an Ascend NPU, gloo on the CPU. Also ``backend="nccl"``. A backend named by a variable or
+    attribute (``backend=args.dist_backend``, whose default "nccl" comes from argparse) is chosen at the call:
+    ``dist.get_default_backend_for_device(DEVICE) if args.dist_backend == "nccl" else args.dist_backend`` (also for
+    a subscript, ``cfg["backend"]``). Any other expression is left as written and reported.
     """
     if not ctx.qualified(original.func) & {"torch.distributed.init_process_group",
                                            "torch.distributed.distributed_c10d.init_process_group"}:
@@ -335,11 +352,27 @@ def dist_backend(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.Bas
     args = list(updated.args)
     for index, arg in enumerate(args):
         is_backend = (arg.keyword is None and index == 0) or (arg.keyword and arg.keyword.value == "backend")
-        if is_backend and _string_value(arg.value) == "nccl":
-            prefix = (cst.Module([]).code_for_node(updated.func.value) if isinstance(updated.func, cst.Attribute)
-                      else "{torch}.distributed")
-            args[index] = arg.with_changes(value=ctx.expr(prefix + ".get_default_backend_for_device({device})"))
-            return updated.with_changes(args=args)
+        if not is_backend or arg.star:
+            continue
+        prefix = (cst.Module([]).code_for_node(updated.func.value) if isinstance(updated.func, cst.Attribute)
+                  else "{torch}.distributed")
+        value = arg.value
+        if _string_value(value) == "nccl":
+            chosen: cst.BaseExpression = ctx.expr(prefix + ".get_default_backend_for_device({device})")
+        elif isinstance(value, (cst.Name, cst.Attribute, cst.Subscript)) and not (
+                isinstance(value, cst.Name) and value.value == "None"):
+            test = cst.Comparison(value, [cst.ComparisonTarget(cst.Equal(), cst.SimpleString('"nccl"'))])
+            default = ctx.expr(prefix + ".get_default_backend_for_device({device})")
+            chosen = cst.IfExp(test=test, body=default, orelse=value)
+        else:
+            chosen_already = isinstance(value, cst.Call) and isinstance(value.func, cst.Attribute) and (
+                value.func.attr.value == "get_default_backend_for_device")
+            if not (chosen_already or isinstance(value, (cst.SimpleString, cst.IfExp, cst.Name))):
+                ctx.unconverted(original, "init_process_group(backend=<expression>)",
+                                "if it can be 'nccl', pass dist.get_default_backend_for_device(DEVICE) instead")
+            return None
+        args[index] = arg.with_changes(value=chosen)
+        return updated.with_changes(args=args)
     return None
 
 
@@ -363,3 +396,4 @@ def ddp_device_ids(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.B
             changed = True
         args.append(arg)
     return updated.with_changes(args=args) if changed else None
+
