@@ -71,6 +71,22 @@ def test_report_json(project: Path) -> None:
     assert {s["path"].rsplit("/", 1)[1] for s in data["skipped"]} == {"broken.py", "latin1.py"}
 
 
+def test_guards_that_stop_without_a_gpu_are_in_the_table_and_the_json(tmp_path: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setenv("COLUMNS", "250")  # one table row a line
+    script = tmp_path / "sr.py"
+    script.write_text("import argparse\nimport torch\np = argparse.ArgumentParser()\n"
+                      "p.add_argument('--cuda', action='store_true')\nopt = p.parse_args()\n"
+                      "if opt.cuda and not torch.cuda.is_available():\n    raise Exception('No GPU found')\n")
+    report = tmp_path / "report.json"
+    assert main(["migrate", str(script), "--report", str(report)]) == 0
+    err = " ".join(capsys.readouterr().err.split())
+    assert "to review" in err and "run the script there without --cuda" in err and "1 to review" in err
+    data = json.loads(report.read_text())
+    [site] = data["review"]
+    assert (site["line"], site["col"], site["what"]) == (6, 1, "raises when no GPU is found")
+    assert data["counts"]["files"][script.as_posix()]["review"] == 1
+
+
 def test_exclude_glob_on_relative_paths(project: Path, capsys) -> None:
     assert main(["migrate", str(project), "--exclude", "pkg/*"]) == 0
     assert capsys.readouterr().out == ""

@@ -75,6 +75,18 @@ def test_second_run_changes_nothing(migrated: Path) -> None:
     assert main(["migrate", "--check", str(migrated)]) == 0
 
 
+def test_a_guard_that_stops_without_a_gpu_is_reported_with_how_to_run_on_a_cpu(migrated: Path) -> None:
+    script = HERE / "corpus" / "cuda_flag.py"
+    source = script.read_text()
+    [site] = migrate_paths([script])[0].review
+    guard = source.splitlines().index("if opt.cuda and not torch.cuda.is_available():") + 1
+    assert (site.line, site.what) == (guard, "raises when no GPU is found")
+    assert site.hint.endswith("run the script there without --cuda")
+    # called as the report says, the migrated script runs (test above); asked for the GPU, it stops as it did
+    [stopped] = _run_all([migrated / "cuda_flag.py"], "--cuda")
+    assert stopped.returncode == 1 and "No GPU found, please run without --cuda" in stopped.stderr
+
+
 def test_directory_run_skips_a_syntax_error_and_a_non_utf8_file(tmp_path: Path) -> None:
     shutil.copy(CORPUS[0], tmp_path / CORPUS[0].name)
     (tmp_path / "broken.py").write_text("x = torch.ones(1).cuda(\n")

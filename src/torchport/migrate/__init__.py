@@ -26,21 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .registry import Rule, get_rule, list_rules, register_rule
-from .transform import Change, Unconverted
+from .transform import Change, Review, Unconverted
 
-__all__ = ["Change", "FileResult", "Rule", "Unconverted", "get_rule", "list_rules", "migrate_paths",
+__all__ = ["Change", "FileResult", "Review", "Rule", "Unconverted", "get_rule", "list_rules", "migrate_paths",
            "migrate_source", "register_rule"]
 
 
 @dataclass
 class FileResult:
-    """What migrating one file gives: the new code, its changes and unconverted sites, or why it was skipped."""
+    """What migrating one file gives: the new code, its changes, unconverted sites and sites to review (guards that
+    stop the script without a GPU), or why it was skipped."""
 
     path: str
     original: str = ""
     code: str = ""
     changes: list[Change] = field(default_factory=list)
     unconverted: list[Unconverted] = field(default_factory=list)
+    review: list[Review] = field(default_factory=list)
     skipped: str | None = None  # why the file was not migrated (syntax error, not UTF-8, ...)
     written: bool = False
 
@@ -73,7 +75,7 @@ def migrate_source(code: str, path: str = "<string>") -> FileResult:
     wrapper = MetadataWrapper(module)
     transformer = MigrationTransformer(wrapper.module, path)
     new_code = wrapper.visit(transformer).code
-    result.changes, result.unconverted = transformer.changes, transformer.unconverted
+    result.changes, result.unconverted, result.review = transformer.changes, transformer.unconverted, transformer.review
     if new_code != code:
         try:
             ast.parse(code)

@@ -26,7 +26,8 @@ def _site(item: dict[str, Any]) -> str:
 
 
 def to_dict(results: Sequence[FileResult]) -> dict[str, Any]:
-    """The report as plain data: files, changed/written/skipped files, every change and unconverted site, counts.
+    """The report as plain data: files, changed/written/skipped files, every change, unconverted site and site to
+    review, counts.
 
     Example:
         >>> to_dict(migrate_paths(["train.py"]))["counts"]["rules"]
@@ -34,6 +35,7 @@ def to_dict(results: Sequence[FileResult]) -> dict[str, Any]:
     """
     changes = sorted((c for r in results for c in r.changes), key=lambda c: (c.path, c.line, c.col))
     unconverted = sorted((u for r in results for u in r.unconverted), key=lambda u: (u.path, u.line, u.col))
+    review = sorted((v for r in results for v in r.review), key=lambda v: (v.path, v.line, v.col))
     return {
         "files": len(results),
         "changed": [r.path for r in results if r.changed],
@@ -41,10 +43,11 @@ def to_dict(results: Sequence[FileResult]) -> dict[str, Any]:
         "skipped": [{"path": r.path, "reason": r.skipped} for r in results if r.skipped],
         "changes": [asdict(c) for c in changes],
         "unconverted": [asdict(u) for u in unconverted],
+        "review": [asdict(v) for v in review],
         "counts": {
             "rules": dict(Counter(c.rule for c in changes).most_common()),
-            "files": {r.path: {"changes": len(r.changes), "unconverted": len(r.unconverted)}
-                      for r in results if r.changes or r.unconverted},
+            "files": {r.path: {"changes": len(r.changes), "unconverted": len(r.unconverted), "review": len(r.review)}
+                      for r in results if r.changes or r.unconverted or r.review},
         },
     }
 
@@ -77,7 +80,8 @@ def _short(code: str, limit: int = 80) -> str:
 
 
 def render_table(results: Sequence[FileResult], console: Console, *, mode: str = "diff") -> None:
-    """Print the changes, the sites left as written, the skipped files, the counts per rule, and a summary line.
+    """Print the changes, the sites left as written, the sites to review, the skipped files, the counts per rule,
+    and a summary line.
 
     ``mode`` (``diff``, ``write`` or ``check``) only words the summary line.
     """
@@ -96,6 +100,13 @@ def render_table(results: Sequence[FileResult], console: Console, *, mode: str =
         for u in report["unconverted"]:
             table.add_row(Text(_site(u)), Text(u["what"]), Text(u["hint"]))
         console.print(table)
+    if report["review"]:
+        table = Table(title="to review: stops without a GPU; how to run it on a CPU")
+        for name in ("site", "what", "how"):
+            table.add_column(name, overflow="fold")
+        for v in report["review"]:
+            table.add_row(Text(_site(v)), Text(v["what"]), Text(v["hint"]))
+        console.print(table)
     if report["counts"]["rules"]:
         table = Table(title="changes per rule")
         table.add_column("rule")
@@ -111,5 +122,5 @@ def render_table(results: Sequence[FileResult], console: Console, *, mode: str =
     console.print(Text(
         f"{report['files']} files read, {count} {verb}, {len(report['changes'])} sites rewritten in "
         f"{sum(1 for f in per_file.values() if f['changes'])} files, {len(report['unconverted'])} left as written, "
-        f"{len(report['skipped'])} skipped", style="bold"))
+        f"{len(report['review'])} to review, {len(report['skipped'])} skipped", style="bold"))
 

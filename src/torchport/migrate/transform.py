@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import libcst as cst
 from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameProvider
 
-from . import unconvertible
+from . import review, unconvertible
 from .registry import SOURCE, SOURCE_DEVICE, rules_for
 
-__all__ = ["SOURCE", "Change", "Unconverted", "Context", "MigrationTransformer"]
+__all__ = ["SOURCE", "Change", "Unconverted", "Review", "Context", "MigrationTransformer"]
 
 DEVICE_NAMES = ("DEVICE", "DEFAULT_DEVICE", "TORCH_DEVICE", "MIGRATED_DEVICE")
 DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_available=True) or {torch}.device("cpu")'
@@ -53,6 +53,17 @@ class Change:
 @dataclass(frozen=True)
 class Unconverted:
     """One site left as written, with why and what to do by hand."""
+
+    path: str
+    line: int
+    col: int
+    what: str
+    hint: str
+
+
+@dataclass(frozen=True)
+class Review:
+    """One rewritten site whose behaviour on a machine without an accelerator depends on how the script is called."""
 
     path: str
     line: int
@@ -114,6 +125,9 @@ class Context:
     def unconverted(self, node: cst.CSTNode, what: str, hint: str) -> None:
         self._transformer.report_unconverted(node, what, hint)
 
+    def review(self, node: cst.CSTNode, what: str, hint: str) -> None:
+        self._transformer.report_review(node, what, hint)
+
 
 def _torch_alias(module: cst.Module) -> tuple[str | None, int]:
     """The name the module binds torch to at top level, and the index after the leading imports."""
@@ -159,8 +173,10 @@ class MigrationTransformer(cst.CSTTransformer):
         self.path = path
         self.changes: list[Change] = []
         self.unconverted: list[Unconverted] = []
+        self.review: list[Review] = []
         self.device_positions: set[cst.CSTNode] = set()
         self._module = module
+        self._options = review.command_line_options(module)
         alias, self._imports_end = _torch_alias(module)
         self._has_torch = alias is not None
         self._existing = _existing_definition(module)
@@ -178,6 +194,10 @@ class MigrationTransformer(cst.CSTTransformer):
         site = Unconverted(self.path, line, col, what, hint)
         if site not in self.unconverted:
             self.unconverted.append(site)
+
+    def report_review(self, node: cst.CSTNode, what: str, hint: str) -> None:
+        line, col = self._position(node)
+        self.review.append(Review(self.path, line, col, what, hint))
 
     def _mark(self, node: cst.CSTNode | None) -> None:
         if node is not None:
@@ -228,6 +248,12 @@ class MigrationTransformer(cst.CSTTransformer):
         parent = self.ctx.parent(node)
         if not (isinstance(parent, cst.Attribute) and parent.value is node):  # only the whole dotted name
             unconvertible.check_name(self.ctx, node, parent)
+
+    def visit_If(self, node: cst.If) -> None:
+        review.check_if(self.ctx, node, self._options)
+
+    def visit_Assert(self, node: cst.Assert) -> None:
+        review.check_assert(self.ctx, node, self._options)
 
     def visit_Import(self, node: cst.Import) -> None:
         unconvertible.check_import(self.ctx, node)
