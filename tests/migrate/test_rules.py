@@ -76,6 +76,28 @@ GOLDEN = [
     ("dist-backend", "import torch.distributed as dist\ndist.init_process_group(cfg['backend'], rank=r)",
      "dist.init_process_group(dist.get_default_backend_for_device(DEVICE) if cfg['backend'] == \"nccl\" "
      "else cfg['backend'], rank=r)"),
+    ("legacy-tensor-type", "a = torch.cuda.FloatTensor(2, 3)",
+     "a = torch.empty(2, 3, dtype=torch.float32, device=DEVICE)"),
+    ("legacy-tensor-type", "v = torch.cuda.FloatTensor(x.size(0), 1).fill_(1.0)",
+     "v = torch.empty(x.size(0), 1, dtype=torch.float32, device=DEVICE).fill_(1.0)"),
+    ("legacy-tensor-type", "b = torch.cuda.ByteTensor(x.size())",
+     "b = torch.empty(x.size(), dtype=torch.uint8, device=DEVICE)"),
+    ("legacy-tensor-type", "e = torch.cuda.HalfTensor()", "e = torch.empty(0, dtype=torch.float16, device=DEVICE)"),
+    ("legacy-tensor-type", "c = torch.cuda.FloatTensor([1.0, 2.0])",
+     "c = torch.tensor([1.0, 2.0], dtype=torch.float32, device=DEVICE)"),
+    ("legacy-tensor-type", "import numpy as np\nz = torch.cuda.FloatTensor(np.random.normal(0, 1, (4, 2)))",
+     "z = torch.tensor(np.random.normal(0, 1, (4, 2)), dtype=torch.float32, device=DEVICE)"),
+    ("legacy-tensor-type", "y = torch.cuda.LongTensor(rng.integers(0, 3, 16))",
+     "y = torch.tensor(rng.integers(0, 3, 16), dtype=torch.int64, device=DEVICE)"),
+    ("legacy-tensor-type", "r = torch.cuda.FloatTensor(data[i:j])",
+     "r = torch.tensor(data[i:j], dtype=torch.float32, device=DEVICE)"),
+    ("legacy-tensor-type", "n = torch.cuda.LongTensor(k)",
+     "n = (torch.empty(k, dtype=torch.int64, device=DEVICE) if isinstance(k, torch.Size) or "
+     "not hasattr(k, \"__len__\") else torch.tensor(k, dtype=torch.int64, device=DEVICE))"),
+    ("tensor-type", "y = x.type(torch.cuda.FloatTensor)", "y = x.to(DEVICE, torch.float32)"),
+    ("tensor-type", "y = x.type('torch.cuda.HalfTensor', non_blocking=True)",
+     "y = x.to(DEVICE, torch.float16, non_blocking=True)"),
+    ("tensor-type", "m = Net().type(dtype=torch.cuda.DoubleTensor)", "m = Net().to(DEVICE, torch.float64)"),
     ("ddp-device-ids", "from torch.nn.parallel import DistributedDataParallel as DDP\nm = DDP(m, device_ids=[r])",
      'm = DDP(m, device_ids=None if DEVICE.type == "cpu" else [r])'),
 ]
@@ -122,6 +144,19 @@ def test_a_backend_from_a_call_is_reported() -> None:
     result = migrate_source("import torch.distributed as dist\ndist.init_process_group(backend=pick())\n")
     assert "backend=pick()" in result.code
     assert [u.what for u in result.unconverted] == ["init_process_group(backend=<expression>)"]
+
+
+@pytest.mark.parametrize(("code", "what"), [
+    ("t = torch.cuda.FloatTensor(make(x))", "FloatTensor(<expression>)"),
+    ("t = torch.cuda.FloatTensor(x, device=0)", "FloatTensor(...) with keywords or *args"),
+    ("T = torch.cuda.FloatTensor if cuda else torch.FloatTensor", "torch.cuda.FloatTensor used as a value"),
+    ("ok = isinstance(x, torch.cuda.LongTensor)", "isinstance(t, torch.cuda.LongTensor)"),
+])
+def test_legacy_types_migrate_cannot_rewrite_are_reported(code: str, what: str) -> None:
+    result = migrate_source(f"import torch\n{code}\n")
+    assert f"{code}\n" in result.code
+    assert [u.what for u in result.unconverted] == [what]
+    assert "torch.int64" in result.unconverted[0].hint or "dtype=torch.float32" in result.unconverted[0].hint
 
 
 def test_strings_that_name_no_device_stay() -> None:

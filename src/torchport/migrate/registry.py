@@ -19,11 +19,17 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["SOURCE", "SOURCE_DEVICE", "Rule", "register_rule", "get_rule", "list_rules", "rules_for"]
+__all__ = ["LEGACY_TYPES", "SOURCE", "SOURCE_DEVICE", "Rule", "register_rule", "get_rule", "list_rules", "rules_for"]
 
 #: the device type migrated away from, and its module (``torch.<type>``), whose calls the rules rewrite
 SOURCE_DEVICE = "cuda"
 SOURCE = f"torch.{SOURCE_DEVICE}"
+#: that module's legacy tensor types (``FloatTensor``...) and the dtype (an attribute of torch) each stands for
+LEGACY_TYPES = {
+    "FloatTensor": "float32", "DoubleTensor": "float64", "HalfTensor": "float16", "BFloat16Tensor": "bfloat16",
+    "LongTensor": "int64", "IntTensor": "int32", "ShortTensor": "int16", "CharTensor": "int8", "ByteTensor": "uint8",
+    "BoolTensor": "bool",
+}
 
 Rewrite = Callable[[Any, Any, Any], Any]
 

@@ -16,6 +16,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Hazard", "UNCONVERTIBLE", "HANDLED", "check_import", "check_name"]
 
+from .registry import LEGACY_TYPES
 from .registry import SOURCE as _CUDA
 
 SDPA_HINT = "use torch.nn.functional.scaled_dot_product_attention, which picks each device's fused attention"
@@ -85,6 +86,8 @@ def check_import(ctx: Context, node: cst.Import | cst.ImportFrom) -> None:
 
 def check_name(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | None) -> None:
     """Report a whole dotted name that refers to something unconvertible or unhandled."""
+    if isinstance(node.value, cst.Call):
+        return  # a method of what a call returned (torch.cuda.FloatTensor(2).fill_): the call is checked itself
     for dotted in ctx.qualified(node):
         hazard = _hazard(dotted)
         if hazard:
@@ -94,6 +97,9 @@ def check_name(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | None) ->
             continue
         attribute = dotted[len(_CUDA) + 1 :]
         called = isinstance(parent, cst.Call) and parent.func is node
+        if attribute in LEGACY_TYPES:
+            _check_legacy_type(ctx, node, parent, attribute, called)
+            return
         if attribute in HANDLED and (called or not HANDLED[attribute]):
             return
         shown = dotted if attribute else _CUDA
@@ -101,3 +107,23 @@ def check_name(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | None) ->
                 else "look for the same function in torch.accelerator or torch.get_device_module(DEVICE)")
         ctx.unconverted(node, f"no rule for {shown}", hint)
         return
+
+
+def _check_legacy_type(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | None, name: str,
+                       called: bool) -> None:
+    """A legacy tensor type is rewritten where it is called or passed to ``.type()``; anywhere else it is reported."""
+    if called:
+        return  # legacy-tensor-type rewrites the call, or reports why not
+    call = ctx.parent(parent) if isinstance(parent, cst.Arg) else None
+    func = call.func if isinstance(call, cst.Call) else None
+    if isinstance(func, cst.Attribute) and func.attr.value == "type":
+        return  # tensor-type rewrites t.type(...)
+    dtype = f"torch.{LEGACY_TYPES[name]}"
+    if isinstance(func, cst.Name) and func.value == "isinstance":
+        ctx.unconverted(node, f"isinstance(t, {_CUDA}.{name})",
+                        f'write t.dtype == {dtype} and t.device.type != "cpu"')
+        return
+    ctx.unconverted(node, f"{_CUDA}.{name} used as a value",
+                    "no device-agnostic type stands for it: where it is called write torch.tensor(data, "
+                    f"dtype={dtype}, device=DEVICE) or torch.empty(sizes, dtype={dtype}, device=DEVICE), and "
+                    f"t.to(DEVICE, {dtype}) for t.type(...)")

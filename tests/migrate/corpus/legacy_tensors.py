@@ -1,0 +1,45 @@
+"""Written for CUDA as older GAN code is: the CUDA module's typed constructors for data (NumPy arrays, slices,
+lists) and for buffers (sizes, x.size(0)), Tensor.type and Module.type to a CUDA type; a small conditional GAN
+trains."""
+import numpy as np
+import torch
+import torch.nn as nn
+
+rng = np.random.default_rng(0)
+torch.manual_seed(0)
+generator = nn.Sequential(nn.Linear(4 + 3, 16), nn.ReLU(), nn.Linear(16, 6)).type(torch.cuda.FloatTensor)
+discriminator = nn.Sequential(nn.Linear(6, 16), nn.LeakyReLU(0.2), nn.Linear(16, 1), nn.Sigmoid())
+discriminator.type(torch.cuda.FloatTensor)
+adversarial = nn.BCELoss()
+opt_g = torch.optim.Adam(generator.parameters(), lr=0.01)
+opt_d = torch.optim.Adam(discriminator.parameters(), lr=0.01)
+real_data = rng.normal(1.0, 0.5, size=(64, 6))
+batch = 16
+
+for step in range(4):
+    real = torch.cuda.FloatTensor(real_data[step * batch:(step + 1) * batch])
+    labels = torch.cuda.LongTensor(rng.integers(0, 3, batch))
+    onehot = torch.cuda.FloatTensor(real.size(0), 3).zero_().scatter_(1, labels.view(-1, 1), 1)
+    valid = torch.cuda.FloatTensor(batch, 1).fill_(1.0)
+    fake = torch.cuda.FloatTensor(batch, 1).fill_(0.0)
+    z = torch.cuda.FloatTensor(rng.normal(0, 1, (batch, 4)))
+
+    opt_g.zero_grad()
+    generated = generator(torch.cat([z, onehot], 1))
+    g_loss = adversarial(discriminator(generated), valid)
+    g_loss.backward()
+    opt_g.step()
+
+    opt_d.zero_grad()
+    d_loss = (adversarial(discriminator(real), valid) + adversarial(discriminator(generated.detach()), fake)) / 2
+    d_loss.backward()
+    opt_d.step()
+    print(f"step {step} d_loss {d_loss.item():.6f} g_loss {g_loss.item():.6f}")
+
+counts = torch.cuda.LongTensor(3)
+counts.zero_()
+counts += torch.cuda.LongTensor([1, 2, 3])
+as_double = real.type(torch.cuda.DoubleTensor)
+back = as_double.type("torch.cuda.FloatTensor")
+print("dtypes", counts.dtype, as_double.dtype, back.dtype, counts.tolist())
+print(f"score {discriminator(back).mean().item():.6f}")
