@@ -173,6 +173,20 @@ def test_legacy_tensor_types_are_made_on_the_target(shim: torch.device) -> None:
     assert counts["torch.cuda.FloatTensor"] >= 3 and counts["Tensor.type(torch.cuda)"] == 3
 
 
+def test_a_legacy_cuda_type_as_the_default_tensor_type_sets_dtype_and_device(shim: torch.device) -> None:
+    try:
+        torch.set_default_tensor_type(torch.cuda.HalfTensor)
+        made = torch.ones(2)
+        assert made.dtype == torch.float16 and made.device.type == shim.type
+        torch.set_default_tensor_type("torch.cuda.DoubleTensor")
+        assert torch.nn.Linear(2, 2).weight.dtype == torch.float64
+        with pytest.raises(TypeError, match="floating-point"):
+            torch.set_default_tensor_type(torch.cuda.LongTensor)  # as torch refuses it
+    finally:
+        torch.set_default_dtype(torch.float32)
+        torch.set_default_device(None)
+
+
 def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:
     backend = get_backend(shim.type)
     fp16 = backend.autocast_dtype(torch.float16, 0) == torch.float16

@@ -1,11 +1,13 @@
 """The legacy typed tensors of ``torch.cuda`` (``FloatTensor``, ``LongTensor``...) made on the target device.
 
 Old CUDA code builds tensors with ``torch.cuda.FloatTensor(ndarray)``, ``torch.cuda.LongTensor(n)`` or
-``torch.cuda.FloatTensor(2, 3)``, converts with ``t.type(torch.cuda.FloatTensor)`` (or the type's name as a string)
-and tests ``isinstance(t, torch.cuda.FloatTensor)``. Each ``torch.cuda.<Name>Tensor`` becomes a class whose call
-makes a tensor of that dtype on the target, keeping the constructor's overloads: integers or a ``torch.Size`` are a
-shape (uninitialised memory, ``torch.empty``), a sequence or an array is data (copied, as onto a GPU), a tensor is
-converted; and whose ``isinstance`` accepts a tensor of that dtype on the target's device type.
+``torch.cuda.FloatTensor(2, 3)``, converts with ``t.type(torch.cuda.FloatTensor)`` (or the type's name as a string),
+tests ``isinstance(t, torch.cuda.FloatTensor)`` and calls ``torch.set_default_tensor_type(torch.cuda.HalfTensor)``.
+Each ``torch.cuda.<Name>Tensor`` becomes a class whose call makes a tensor of that dtype on the target, keeping the
+constructor's overloads: integers or a ``torch.Size`` are a shape (uninitialised memory, ``torch.empty``), a
+sequence or an array is data (copied, as onto a GPU), a tensor is converted; whose ``isinstance`` accepts a tensor
+of that dtype on the target's device type; and which, as the default tensor type, sets the default dtype and the
+target as the default device.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ def _tensor_type(target: Target, name: str, dtype: torch.dtype) -> type:
 
 
 def install(target: Target, patcher: Patcher) -> None:
-    """Replace ``torch.cuda``'s legacy tensor types and let ``Tensor.type`` convert to them on ``target``."""
+    """Replace ``torch.cuda``'s legacy tensor types; ``Tensor.type`` converts to them on ``target`` and
+    ``torch.set_default_tensor_type`` takes them."""
     types = {name: _tensor_type(target, name, dtype) for name, dtype in DTYPES.items()}
     for name, kind in types.items():
         patcher.set(torch.cuda, name, kind)
@@ -97,3 +100,18 @@ def install(target: Target, patcher: Patcher) -> None:
         return type_
 
     patcher.wrap(torch.Tensor, "type", make)
+
+    def default_type(original: Any) -> Any:
+        @functools.wraps(original)
+        def set_default_tensor_type(t: Any) -> None:
+            kind = by_name.get(t, t) if isinstance(t, str) else t
+            if kind not in kinds:
+                return original(t)
+            target.recorder.record("torch.set_default_tensor_type(torch.cuda)")
+            torch.set_default_dtype(kind.dtype)  # refuses integer types, as torch does for them
+            torch.set_default_device(target.device())
+            return None
+
+        return set_default_tensor_type
+
+    patcher.wrap(torch, "set_default_tensor_type", default_type)

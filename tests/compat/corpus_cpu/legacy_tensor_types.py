@@ -43,3 +43,6 @@ print("same device", len({t.device for t in (x, a, b, c, e, as_float, as_half, a
 print("isinstance", x.dtype == torch.float32, y.dtype == torch.int64, y.dtype == torch.float32,
       as_half.dtype == torch.float16)
 print("already", as_float.to(device, torch.float32) is as_float)
+torch.set_default_dtype(torch.float64)
+made = torch.ones(2)
+print("default", made.dtype, made.device == x.device)
