@@ -146,17 +146,20 @@ def test_a_backend_from_a_call_is_reported() -> None:
     assert [u.what for u in result.unconverted] == ["init_process_group(backend=<expression>)"]
 
 
-@pytest.mark.parametrize(("code", "what"), [
-    ("t = torch.cuda.FloatTensor(make(x))", "FloatTensor(<expression>)"),
-    ("t = torch.cuda.FloatTensor(x, device=0)", "FloatTensor(...) with keywords or *args"),
-    ("T = torch.cuda.FloatTensor if cuda else torch.FloatTensor", "torch.cuda.FloatTensor used as a value"),
-    ("ok = isinstance(x, torch.cuda.LongTensor)", "isinstance(t, torch.cuda.LongTensor)"),
+@pytest.mark.parametrize(("code", "what", "dtype"), [
+    ("t = torch.cuda.FloatTensor(make(x))", "FloatTensor(<expression>)", "torch.float32"),
+    ("t = torch.cuda.FloatTensor(x, device=0)", "FloatTensor(...) with keywords or *args", "torch.float32"),
+    ("T = torch.cuda.FloatTensor if cuda else torch.FloatTensor", "torch.cuda.FloatTensor used as a value",
+     "torch.float32"),
+    ("ok = isinstance(x, torch.cuda.LongTensor)", "isinstance(t, torch.cuda.LongTensor)", "torch.int64"),
+    ("torch.set_default_tensor_type(torch.cuda.HalfTensor)", "torch.set_default_tensor_type(torch.cuda.HalfTensor)",
+     "torch.float16"),
 ])
-def test_legacy_types_migrate_cannot_rewrite_are_reported(code: str, what: str) -> None:
+def test_legacy_types_migrate_cannot_rewrite_are_reported(code: str, what: str, dtype: str) -> None:
     result = migrate_source(f"import torch\n{code}\n")
     assert f"{code}\n" in result.code
     assert [u.what for u in result.unconverted] == [what]
-    assert "torch.int64" in result.unconverted[0].hint or "dtype=torch.float32" in result.unconverted[0].hint
+    assert dtype in result.unconverted[0].hint
 
 
 def test_strings_that_name_no_device_stay() -> None:

@@ -123,6 +123,10 @@ def _check_legacy_type(ctx: Context, node: cst.Attribute, parent: cst.CSTNode | 
         ctx.unconverted(node, f"isinstance(t, {_CUDA}.{name})",
                         f'write t.dtype == {dtype} and t.device.type != "cpu"')
         return
+    if func is not None and "torch.set_default_tensor_type" in ctx.qualified(func):
+        ctx.unconverted(node, f"torch.set_default_tensor_type({_CUDA}.{name})",
+                        f"write torch.set_default_dtype({dtype}) and torch.set_default_device(DEVICE)")
+        return
     ctx.unconverted(node, f"{_CUDA}.{name} used as a value",
                     "no device-agnostic type stands for it: where it is called write torch.tensor(data, "
                     f"dtype={dtype}, device=DEVICE) or torch.empty(sizes, dtype={dtype}, device=DEVICE), and "
