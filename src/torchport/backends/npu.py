@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import glob
 import importlib
 import importlib.metadata
 import importlib.util
+import json
 import logging
 import os
 import re
@@ -19,7 +22,8 @@ import torch
 from . import register_backend
 from .base import Backend
 
-__all__ = ["NpuBackend", "cann_version"]
+__all__ = ["ChipProfile", "NpuBackend", "cann_version", "chip_profile", "device_chip", "npu_chip_profiles",
+           "operator_limits", "torch_npu_contract"]
 
 logger = logging.getLogger("torchport")
 
@@ -60,6 +64,162 @@ def nearest_release(version: str, releases: Iterable[tuple[int, int]]) -> tuple[
     return min(releases, key=lambda r: (abs((r[0] - major) * 100 + r[1] - minor), -r[0], -r[1]))
 
 
+# -- what torch_npu and the Ascend chips offer ------------------------------------------------------------------
+# Two data files, each naming the repositories and commits its facts come from: data/torch_npu_contract.json (the
+# schemas, backward and documented limits of the torch_npu operators torchport calls) and data/ascend_chips.json
+# (the chips as torch_npu reports them).
+_DATA = os.path.join(os.path.dirname(__file__), "data")
+
+
+@functools.lru_cache(maxsize=None)
+def _data(name: str) -> dict[str, Any]:
+    with open(os.path.join(_DATA, name), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def torch_npu_contract() -> dict[str, Any]:
+    """The torch_npu operators torchport calls, by name: ``schema`` (op-plugin's, newest), ``oldest_schema`` (where
+    older releases lack trailing arguments), ``backward``, ``differentiable_outputs``, ``families`` (the chip
+    families torch_npu documents it for), ``torchair_converter`` and ``limits``. Shared: do not modify.
+
+    Example:
+        >>> torch_npu_contract()["npu_swiglu"]["schema"]
+        'npu_swiglu(Tensor self, int dim=-1) -> Tensor'
+    """
+    return _data("torch_npu_contract.json")["operators"]
+
+
+def operator_limits(name: str) -> dict[str, Any]:
+    """The documented limits of torch_npu operator ``name`` that torchport checks before calling it.
+
+    Example:
+        >>> operator_limits("npu_weight_quant_batchmatmul")["k_n_range"]
+        [1, 65535]
+    """
+    contract = torch_npu_contract()
+    if name not in contract:
+        raise ValueError(f"torch_npu operator {name!r} is not in torchport's contract; it has: {', '.join(contract)}")
+    return contract[name]["limits"]
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipProfile:
+    """One Ascend chip as torch_npu reports it, and what it runs.
+
+    Attributes:
+        soc_version: the name ``torch.npu.get_device_name()`` returns (``"Ascend910B3"``), which ATC also takes as
+            ``--soc_version``.
+        family: ``"A1"`` (Ascend 910), ``"A2"`` (910B1 to B4), ``"A3"`` (910_93xx) or ``"310P"``.
+        ai_cores: AI cores (cube cores where cube and vector units are split): ``cube_core_num``.
+        vector_cores: vector cores (``vector_core_num``); 0 where the AI cores hold the vector units (A1).
+        memory_bytes: device memory.
+        l2_bytes: L2 cache.
+        ops: the torch_npu operators of :func:`torch_npu_contract` that run on this chip.
+        dtypes: the floating dtypes the chip computes in (bfloat16 from the 910B1 on).
+    """
+
+    soc_version: str
+    family: str
+    ai_cores: int
+    vector_cores: int
+    memory_bytes: int
+    l2_bytes: int
+    ops: frozenset[str]
+    dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def multi_processor_count(self) -> int:
+        """What ``get_device_properties().multi_processor_count`` reports: the vector cores, else the AI cores."""
+        return self.vector_cores or self.ai_cores
+
+    @property
+    def bf16(self) -> bool:
+        """Whether the chip computes in bfloat16 (``torch.npu.is_bf16_supported()``)."""
+        return torch.bfloat16 in self.dtypes
+
+    @property
+    def family_name(self) -> str:
+        """The products of the family, as the vendor names them (``"Atlas A2 series, Ascend 910B"``)."""
+        return _data("torch_npu_contract.json")["families"][self.family]
+
+    def lacks(self, op: str) -> str | None:
+        """Why torch_npu operator ``op`` cannot run on this chip, or None when it can (or is not in the contract).
+
+        Example:
+            >>> chip_profile("Ascend910A").lacks("npu_swiglu")
+            'npu_swiglu does not run on Ascend910A (A1: ...); torch_npu documents it for A2 only'
+        """
+        contract = torch_npu_contract()
+        if op not in contract or op in self.ops:
+            return None
+        return (f"{op} does not run on {self.soc_version} ({self.family}: {self.family_name}); torch_npu documents "
+                f"it for {', '.join(contract[op]['families'])} only")
+
+
+@functools.lru_cache(maxsize=None)
+def _profiles() -> dict[str, ChipProfile]:
+    contract = torch_npu_contract()
+    profiles = {}
+    for soc, chip in _data("ascend_chips.json")["chips"].items():
+        ops = frozenset(op for op, entry in contract.items() if chip["family"] in entry["families"])
+        # torch_npu's IsBF16Supported: true from the Ascend910B1 on (A2, A3), false for A1 and 310P
+        bf16 = chip["family"] in ("A2", "A3")
+        dtypes = (torch.float32, torch.float16, torch.bfloat16) if bf16 else (torch.float32, torch.float16)
+        profiles[soc] = ChipProfile(soc, chip["family"], chip["ai_cores"], chip["vector_cores"], chip["memory_bytes"],
+                                    chip["l2_bytes"], ops, dtypes)
+    return profiles
+
+
+def npu_chip_profiles() -> dict[str, ChipProfile]:
+    """Every Ascend chip torchport knows, by the name torch_npu reports for it.
+
+    Example:
+        >>> npu_chip_profiles()["Ascend310P3"].bf16
+        False
+    """
+    return dict(_profiles())
+
+
+def chip_profile(soc: str | None = None) -> ChipProfile:
+    """The profile of chip ``soc`` (any case; ``"Ascend910_93"`` names the A3 chip Ascend910_9392), or of the
+    default chip (Ascend910B3) when None.
+
+    Raises:
+        ValueError: ``soc`` is no chip torchport knows; the message lists the known ones.
+
+    Example:
+        >>> chip_profile("ascend910b4").memory_bytes
+        34359738368
+    """
+    data = _data("ascend_chips.json")
+    wanted = data["default"] if soc is None else str(soc).strip()
+    wanted = {alias.lower(): name for alias, name in data["aliases"].items()}.get(wanted.lower(), wanted)
+    profiles = {name.lower(): profile for name, profile in npu_chip_profiles().items()}
+    if wanted.lower() not in profiles:
+        raise ValueError(f"{soc!r} is not an Ascend chip torchport knows; known: "
+                         f"{', '.join([*npu_chip_profiles(), *data['aliases']])}")
+    return profiles[wanted.lower()]
+
+
+def device_chip(device: torch.device) -> ChipProfile | None:
+    """The chip of an ``npu`` device, None for another device type or a chip torchport does not know.
+
+    Example:
+        >>> device_chip(torch.device("npu", 0)).family
+        'A2'
+    """
+    from . import get_backend
+
+    backend = get_backend(device.type) if device.type == "npu" else None
+    return backend.chip(device.index or 0) if isinstance(backend, NpuBackend) else None
+
+
+def _flag(value: str | None) -> bool:
+    """An integer flag as torch_npu reads its variables (strtol: leading digits, anything else is 0)."""
+    found = re.match(r"\s*[+-]?\d+", value or "")
+    return bool(found and int(found.group(0)))
+
+
 @register_backend("npu")
 class NpuBackend(Backend):
     name = "npu"
@@ -70,9 +230,14 @@ class NpuBackend(Backend):
     dispatch_key = "PrivateUse1"
     #: torch_npu's operator lists shipped for coverage where torch_npu is not loaded, by the release they come from
     OP_SNAPSHOTS = {(2, 6): "torch_npu_ops-2.6.txt", (2, 14): "torch_npu_ops-2.14.txt"}
-    # torch_npu runs operators it has no kernel for on the CPU (its PrivateUse1 fallback, VariableFallbackKernel.cpp,
-    # warning "CAUTION: The operator ... will fall back to run on the CPU" once per operator)
-    host_fallback = True
+
+    @property
+    def host_fallback(self) -> bool:  # type: ignore[override]
+        # torch_npu runs operators it has no kernel for on the CPU (its PrivateUse1 fallback,
+        # VariableFallbackKernel.cpp, warning "CAUTION: The operator ... will fall back to run on the CPU" once per
+        # operator), unless TORCH_NPU_FALLBACK_CPU_DISABLE is a non-zero integer (Ascend/pytorch master @9e73e708,
+        # OptionsManager.cpp, read once per process there), which turns that fallback into an error
+        return not _flag(os.environ.get("TORCH_NPU_FALLBACK_CPU_DISABLE"))
 
     def __init__(self) -> None:
         super().__init__()
@@ -118,13 +283,27 @@ class NpuBackend(Backend):
             return None
         return getattr(importlib.import_module("torch_npu"), name, None)
 
+    def chip(self, index: int) -> ChipProfile | None:
+        """The profile of device ``index``'s chip, found by the name torch_npu reports; None for a chip torchport
+        does not know (or no NPU)."""
+        if not self.is_available():
+            return None
+        return _profiles().get(self.device_name(index).strip())
+
+    def chip_lacks(self, name: str, index: int) -> str | None:
+        """Why fused operator ``name`` cannot run on device ``index``'s chip, or None. torch_npu defines every
+        operator on every chip; on a chip without a kernel for one, the call fails (RuntimeError)."""
+        chip = self.chip(index)
+        return None if chip is None else chip.lacks(name)
+
     def attention_implementation(self, index: int) -> str:
         # torch_npu's npu_fusion_attention (FlashAttentionScore), registered with transformers by
         # torchport.attention: grouped-query attention without copying key/value heads, and causal attention
         # through the compressed mask (sparse_mode), which skips masked blocks. flash-attn does not install on
         # Ascend; SDPA on torch_npu reaches FlashAttentionScore too, but transformers repeats the key/value heads
         # before it whenever there is a mask.
-        return "npu_fusion_attention" if self.fused_op("npu_fusion_attention") is not None else "sdpa"
+        name = "npu_fusion_attention"
+        return name if self.fused_op(name) is not None and self.chip_lacks(name, index) is None else "sdpa"
 
     def dynamo_compiler(self) -> tuple[str, Callable[..., Any] | None]:
         # TorchAir (shipped with torch_npu) compiles graphs for the Ascend graph engine; without it, torch_npu's
