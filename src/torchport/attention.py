@@ -7,8 +7,11 @@ flash-attn package is installed and built for the GPU, else ``"sdpa"``; ``"npu_f
 
 ``"npu_fusion_attention"`` is not a transformers name: :func:`register` adds it to transformers'
 ``AttentionInterface`` (with SDPA's boolean masks, ``AttentionMaskInterface``). The function behind it calls the
-fused operator where the tensors' device has it and SDPA elsewhere (a model built on the CPU and moved later, or
-moved back), so a model set to it runs on any device.
+fused operator where the tensors' device and chip have it and SDPA elsewhere (a model built on the CPU and moved
+later, or moved back), so a model set to it runs on any device. It also takes SDPA for what the operator's
+documentation excludes (torch_npu_contract.json): key and value of different shapes (an MLA model's), head dims
+above 768 or more than 256 query heads (one warning per reason), and graphs being compiled (the operator is
+documented for eager execution only, not graph mode).
 
 :func:`apply` sets a loaded model's implementation; :func:`install_hook` makes ``from_pretrained(...,
 attn_implementation="flash_attention_2")`` on a machine without flash-attn load with the best available
@@ -36,7 +39,9 @@ from torch import nn
 
 from . import _settings
 from .backends import get_backend
+from .backends.npu import operator_limits
 from .device import DeviceLike, resolve
+from .kernels.registry import Unsupported, fused_op_unavailable
 
 __all__ = ["FUSED", "apply", "best", "hook_installed", "install_hook", "register", "remove_hook"]
 
@@ -75,7 +80,18 @@ def _npu_fusion_attention(op: Callable[..., Any], q: torch.Tensor, k: torch.Tens
     Its mask marks what is masked *out* (True), the reverse of SDPA's. Causal attention goes through the
     compressed 2048x2048 mask with sparse_mode 2 (top-left aligned, as SDPA's is_causal; the caller made Sq == Skv),
     which lets the operator skip the masked blocks instead of reading a full [Sq, Skv] mask.
+
+    Raises:
+        Unsupported: tensors outside the operator's documented limits (the caller takes SDPA for them).
     """
+    limits = operator_limits("npu_fusion_attention")
+    if k.shape != v.shape:
+        raise Unsupported(f"npu_fusion_attention takes key and value of one shape, not {list(k.shape)} and "
+                          f"{list(v.shape)}")
+    (low_d, high_d), (low_n, high_n) = limits["head_dim"], limits["query_heads"]
+    if not (low_d <= q.shape[-1] <= high_d and low_n <= q.shape[1] <= high_n):
+        raise Unsupported(f"npu_fusion_attention takes head dims of {low_d} to {high_d} and {low_n} to {high_n} "
+                          f"query heads, not {q.shape[-1]} and {q.shape[1]}")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     heads = q.shape[1]
     if causal:
@@ -105,8 +121,8 @@ def _fused_operator(name: str, device: torch.device, dtype: torch.dtype) -> Call
     if (name, device.type, dtype) in _broken:
         return None
     key = (name, device.type)
-    if key not in _operators:
-        _operators[key] = get_backend(device.type).fused_op(name)
+    if key not in _operators:  # None where the software stack or the chip lacks it
+        _operators[key] = None if fused_op_unavailable(name, device) else get_backend(device.type).fused_op(name)
     return _operators[key]
 
 
@@ -128,7 +144,7 @@ def _make_forward(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
                        or kwargs.get("cache") is not None or kwargs.get("output_attentions")
                        or (attention_mask is not None and attention_mask.dtype != torch.bool))
         op = None if unsupported else _fused_operator(name, query.device, query.dtype)
-        if op is None:
+        if op is None or torch.compiler.is_compiling():  # documented for eager execution, not graph mode
             return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                          is_causal=is_causal, **kwargs)
         q_len, kv_len = query.shape[2], key.shape[2]
@@ -150,6 +166,10 @@ def _make_forward(name: str) -> Callable[..., tuple[torch.Tensor, None]]:
             out = glue(op, query, k, v, keep, causal, float(scale), 1.0 - float(dropout))
         except torch.OutOfMemoryError:
             raise
+        except Unsupported as exc:  # these tensors only: the operator stays in use for the others
+            _warn_once(("unsupported", name, str(exc)), f"torchport.attention: {exc}; using sdpa for these")
+            return _sdpa(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                         is_causal=is_causal, **kwargs)
         except Exception as exc:
             reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
             if _settings.value("strict"):

@@ -19,7 +19,8 @@ Implementations:
 * ``npu`` on Ascend through ``torch_npu.npu_cross_entropy_loss(input, target, weight, reduction, ignore_index,
   label_smoothing, ...)``, called per row (``reduction="none"``) with ignored rows masked here, because its
   contract takes targets in ``[0, C)`` and treats a negative ignore_index as "ignore nothing". Its z-loss is
-  documented as not yet supported, so calls with ``z_loss`` use the reference.
+  documented as not yet supported, and so is a label_smoothing for logits that require grad: those calls use the
+  reference.
 * ``reference``: plain PyTorch in float32 (float64 for float64 logits) everywhere else and as the fallback.
 
 Where the gradient lives (``in_place``): the Triton kernel writes the gradient while the logits are in registers.
@@ -42,6 +43,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends.npu import operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, widen
 
@@ -124,6 +126,12 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise registry.Unsupported(f"torch_npu.npu_cross_entropy_loss takes float32, bfloat16 or float16, "
                                    f"not {logits.dtype}")
+    # With logits that require grad, torch_npu takes only the default label_smoothing for "none" (torchport's
+    # reduction here; torch_npu_contract.json): smoothing in training takes the reference
+    fixed = operator_limits("npu_cross_entropy_loss")["defaults_only_when_input_requires_grad"]["none"]
+    if label_smoothing and "label_smoothing" in fixed and logits.requires_grad and torch.is_grad_enabled():
+        raise registry.Unsupported("torch_npu.npu_cross_entropy_loss takes no label_smoothing when the logits "
+                                   "require grad")
     op = registry.fused_op("npu_cross_entropy_loss", logits.device)
     # Targets must lie in [0, C): ignored rows get class 0 and are masked out of the loss (and so the gradient).
     valid = target != ignore_index

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..backends.npu import operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
 
@@ -48,8 +49,16 @@ def _geglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) 
 @registry.register_kernel("swiglu", "npu", devices=["npu"], priority=10,
                           requires=registry.fused_op_reason("npu_swiglu"))
 def _swiglu_npu(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
-    # torch_npu.npu_swiglu(x, dim) = silu(first half of x along dim) * second half
-    return registry.fused_op("npu_swiglu", gate.device)(torch.cat([gate, up], dim=-1), dim=-1)
+    # torch_npu.npu_swiglu(x, dim) = silu(first half of x along dim) * second half, for a contiguous, non-empty x of
+    # 1 to 8 dims (torch_npu_contract.json): other shapes go as [rows, features], an empty one needs no kernel
+    if gate.numel() == 0:
+        return swiglu_reference(gate, up)
+    low, high = operator_limits("npu_swiglu")["input_dims"]
+    shape = gate.shape
+    if not low <= gate.dim() <= high:
+        gate, up = gate.reshape(-1, shape[-1] if shape else 1), up.reshape(-1, shape[-1] if shape else 1)
+    out = registry.fused_op("npu_swiglu", gate.device)(torch.cat([gate, up], dim=-1), dim=-1)
+    return out.view(shape)
 
 
 def _check(op: str, gate: torch.Tensor, up: torch.Tensor) -> None:

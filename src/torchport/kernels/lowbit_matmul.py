@@ -7,7 +7,9 @@ Implementations:
 * ``npu``: torch_npu's ``npu_weight_quant_batchmatmul`` for ``int8`` (per channel) and ``int4`` (per group, the
   codes repacked once by ``npu_convert_weight_to_int4pack``), fp16/bf16 activations. Its formula,
   ``x @ ((w + offset) * scale)`` with a ``(K, N)`` weight, is the int4 format's own, so the scales are passed as they
-  are (transposed views). Other formats on Ascend take the reference.
+  are (transposed views). Other formats on Ascend take the reference, and so does a layer outside the operator's
+  documented limits: in or out features beyond 65535 (a 128256-word LM head), int4 groups that are not a multiple
+  of 32, or what the chip lacks (the 310P: fp16 and int8 only).
 * ``reference``: dequantise with plain PyTorch, then ``F.linear``; every device.
 
 The backward gives ``x`` (and ``bias``) their gradients through the dequantised weight, so adapters trained on top
@@ -22,6 +24,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..backends.npu import device_chip, operator_limits
 from . import registry
 
 __all__ = ["lowbit_linear"]
@@ -82,16 +85,51 @@ def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group
                           requires=registry.fused_op_reason("npu_weight_quant_batchmatmul"))
 def _npu(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
          dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor:
-    if fmt not in ("int8", "int4"):
-        raise registry.Unsupported(f"npu_weight_quant_batchmatmul takes int8 and int4 weights, not {fmt}")
-    if x.dtype not in (torch.float16, torch.bfloat16):
-        raise registry.Unsupported(f"npu_weight_quant_batchmatmul takes fp16 or bf16 activations, not {x.dtype}")
-    if fmt == "int4" and t["qweight"].shape[0] % 8:
-        raise registry.Unsupported("npu_convert_weight_to_int4pack needs out_features to be a multiple of 8")
+    reason = _npu_refuses(x, t, fmt, group)
+    if reason is not None:  # this layer takes the reference; the others keep the fused path
+        raise registry.Unsupported(reason)
+    if x.shape[0] == 0:  # torch_npu takes no empty input, and there is nothing to compute
+        y = x.new_empty(0, t["qweight"].shape[0])
+        return y if bias is None else y + bias.to(y.dtype)
     weight, scale, offset, group_size = _npu_tensors(x, t, fmt, group, cache)
     matmul = registry.fused_op("npu_weight_quant_batchmatmul", x.device)
     y = matmul(x, weight, scale, offset, None, None, None, group_size if group_size != x.shape[-1] else 0)
     return y if bias is None else y + bias.to(y.dtype)
+
+
+def _npu_refuses(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int) -> str | None:
+    """Why npu_weight_quant_batchmatmul cannot run this layer (its documented limits, torch_npu_contract.json), or
+    None. The operator raises RuntimeError outside them, which would read as a broken kernel."""
+    limits = operator_limits("npu_weight_quant_batchmatmul")
+    if fmt not in ("int8", "int4"):
+        return f"npu_weight_quant_batchmatmul takes int8 and int4 weights, not {fmt}"
+    chip = device_chip(x.device)
+    family = chip.family if chip is not None and chip.family in limits["x_dtypes"] else "A2"
+    x_dtypes = [getattr(torch, name) for name in limits["x_dtypes"][family]]
+    if x.dtype not in x_dtypes:
+        names = " or ".join(str(d).removeprefix("torch.") for d in x_dtypes)
+        return f"npu_weight_quant_batchmatmul takes {names} activations{_on(chip)}, not {x.dtype}"
+    if fmt == "int4":
+        if "int32" not in limits["weight_dtypes"][family]:
+            return f"npu_weight_quant_batchmatmul takes no int4 weights{_on(chip)}"
+        unavailable = registry.fused_op_unavailable("npu_convert_weight_to_int4pack", x.device)
+        if unavailable is not None:
+            return unavailable
+        if t["qweight"].shape[0] % 8:
+            return "npu_convert_weight_to_int4pack needs out_features to be a multiple of 8"
+    k, n = x.shape[-1], t["qweight"].shape[0]
+    low, high = limits["k_n_range"]
+    if not (low <= k <= high and low <= n <= high):
+        return f"npu_weight_quant_batchmatmul takes in and out features within [{low}, {high}], not {k} and {n}"
+    if fmt == "int4" and group != k and not (limits["group_size_min"] <= group <= k - 1
+                                             and group % limits["group_size_multiple"] == 0):
+        return (f"npu_weight_quant_batchmatmul takes groups of a multiple of {limits['group_size_multiple']} "
+                f"inputs (at least {limits['group_size_min']}), not {group}")
+    return None
+
+
+def _on(chip: Any) -> str:
+    return "" if chip is None else f" on {chip.soc_version}"
 
 
 class _LowbitLinear(torch.autograd.Function):

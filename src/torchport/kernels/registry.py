@@ -40,6 +40,7 @@ __all__ = [
     "call",
     "forced",
     "fused_op",
+    "fused_op_unavailable",
     "implementation",
     "list_kernels",
     "refresh",
@@ -344,15 +345,21 @@ def fused_op(name: str, device: torch.device) -> Callable[..., Any]:
     return op
 
 
+def fused_op_unavailable(name: str, device: torch.device) -> str | None:
+    """Why the vendor fused operator ``name`` cannot run on ``device``, or None when it can: the device's software
+    stack lacks it, or its chip does (a vendor library defines every operator on every chip, and the call fails on
+    a chip without a kernel for it; backends that know their chips say so through ``chip_lacks``)."""
+    backend = get_backend(device.type)
+    if backend.fused_op(name) is None:
+        return f"the {device.type} software stack has no fused operator {name}"
+    chip_lacks = getattr(backend, "chip_lacks", None)
+    return None if chip_lacks is None else chip_lacks(name, device.index or 0)
+
+
 def fused_op_reason(name: str) -> Callable[[torch.device], str | None]:
-    """A ``requires`` check for :func:`register_kernel`: the device's backend must provide operator ``name``."""
-
-    def check(device: torch.device) -> str | None:
-        if get_backend(device.type).fused_op(name) is None:
-            return f"the {device.type} software stack has no fused operator {name}"
-        return None
-
-    return check
+    """A ``requires`` check for :func:`register_kernel`: operator ``name`` must run on the device (its software stack
+    has it and its chip runs it). A chip without it is an expected fallback, warned once, never a kernel failure."""
+    return lambda device: fused_op_unavailable(name, device)
 
 
 def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..backends.npu import device_chip, operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, widen
 
@@ -40,9 +41,19 @@ def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: 
                           requires=registry.fused_op_reason("npu_rms_norm"))
 def _rms_norm_npu(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                   in_place: bool = False) -> torch.Tensor:
-    # torch_npu.npu_rms_norm(x, gamma, epsilon) -> (y, rstd); gamma must have x's dtype.
+    # torch_npu.npu_rms_norm(self, gamma, epsilon) -> (y, rstd), over gamma's dims; gamma in x's dtype (the one pair
+    # every chip takes). It takes 2 to 8 dims, so other inputs go as [rows, hidden]; the 310P wants rows of at least
+    # 32 bytes (torch_npu_contract.json).
+    limits = operator_limits("npu_rms_norm")
+    chip = device_chip(x.device)
+    least = limits["min_last_dim_bytes"].get(chip.family) if chip is not None else None
+    if least is not None and x.shape[-1] * x.element_size() < least:
+        raise registry.Unsupported(f"npu_rms_norm on {chip.soc_version} takes rows of at least {least} bytes, not "
+                                   f"{x.shape[-1]} x {x.dtype}")
+    low, high = limits["input_dims"]
+    rows = x if low <= x.dim() <= high else x.reshape(-1, x.shape[-1])
     gamma = (weight + offset if offset else weight).to(x.dtype)
-    return registry.fused_op("npu_rms_norm", x.device)(x, gamma, epsilon=eps)[0]
+    return registry.fused_op("npu_rms_norm", x.device)(rows, gamma, epsilon=eps)[0].view(x.shape)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: float = 0.0, *,

@@ -11,9 +11,12 @@ Example:
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 
+from ..backends.npu import device_chip, operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
 
@@ -45,11 +48,56 @@ def _rope_triton(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
     return kernel.rope(q, k, cos, sin, rope_reference)
 
 
+# (id, weak reference, version, within [-1, 1]) of the cos/sin tensors checked: a model computes them once per step
+# and every layer rotates with them, so the range costs one synchronisation per step, not one per layer
+_ranges: dict[int, tuple[weakref.ref, int, bool]] = {}
+
+
+def _within(t: torch.Tensor, low: float, high: float) -> bool:
+    base = t if t._base is None else t._base  # a view's values lie within its base's
+    entry = _ranges.get(id(base))
+    if entry is not None and entry[0]() is base and entry[1] == base._version:
+        return entry[2]
+    inside = bool(((base >= low) & (base <= high)).all())
+    if len(_ranges) > 64:
+        _ranges.clear()
+    _ranges[id(base)] = (weakref.ref(base), base._version, inside)
+    return inside
+
+
+def _npu_refuses(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> str | None:
+    """Why torch_npu.npu_rotary_mul cannot take these tensors (its documented limits), or None."""
+    limits = operator_limits("npu_rotary_mul")
+    batch, heads, _, dim = q.shape
+    if dim >= limits["head_dim_below"]:
+        return f"npu_rotary_mul takes head_dim below {limits['head_dim_below']}, not {dim}"
+    if batch >= limits["batch_below"] or max(heads, k.shape[1]) >= limits["heads_below"]:
+        return f"npu_rotary_mul takes batch and heads below {limits['batch_below']}, not {list(q.shape)}"
+    if (cos.requires_grad or sin.requires_grad) and torch.is_grad_enabled() and \
+            batch * max(heads, k.shape[1]) > limits["batch_heads_max_with_r_grad"]:
+        return (f"npu_rotary_mul differentiates cos/sin only for batch x heads <= "
+                f"{limits['batch_heads_max_with_r_grad']}, not {batch} x {max(heads, k.shape[1])}")
+    chip = device_chip(q.device)
+    if chip is not None and chip.family in limits["compiled_kernel_families"]:
+        kernel = limits["compiled_kernel"]
+        if dim != kernel["head_dim"] or cos.shape[0] != kernel["r_batch"]:
+            return (f"npu_rotary_mul on {chip.soc_version} takes head_dim {kernel['head_dim']} and cos/sin of batch "
+                    f"{kernel['r_batch']}, not head_dim {dim} and batch {cos.shape[0]}")
+    low, high = limits["r_range"]
+    if not (_within(cos, low, high) and _within(sin, low, high)):
+        return (f"npu_rotary_mul takes cos/sin within [{low:g}, {high:g}]; these exceed it (a rotary embedding that "
+                "scales them, such as YaRN's or LongRoPE's attention scaling)")
+    return None
+
+
 @registry.register_kernel("rope", "npu", devices=["npu"], priority=10,
                           requires=registry.fused_op_reason("npu_rotary_mul"))
 def _rope_npu(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
               sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     # torch_npu.npu_rotary_mul(x, r1, r2) = x·r1 + rotate_half(x)·r2, r1/r2 broadcast to x ([B, 1, S, D] here)
+    reason = _npu_refuses(q, k, cos, sin)
+    if reason is not None:
+        raise registry.Unsupported(reason)
     rotary_mul = registry.fused_op("npu_rotary_mul", q.device)
     c, s = cos.unsqueeze(1).to(q.dtype), sin.unsqueeze(1).to(q.dtype)
     return rotary_mul(q, c, s), rotary_mul(k, c, s)
