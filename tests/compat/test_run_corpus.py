@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # each case runs a script in fresh processes
+
 HERE = Path(__file__).parent
 HELPERS = {"child.py"}  # run by subprocess_child.py, not a corpus entry of its own
 SCRIPTS = sorted(path.name for path in (HERE / "corpus").glob("*.py") if path.name not in HELPERS)

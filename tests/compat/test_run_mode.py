@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # programs run in fresh processes
+
 pytest.importorskip("transformers")
 
 SCRIPT = textwrap.dedent("""

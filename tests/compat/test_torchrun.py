@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # torchrun starts two processes
+
 HERE = Path(__file__).parent
 
 

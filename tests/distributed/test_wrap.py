@@ -16,6 +16,8 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import step_worker  # noqa: E402
 
+pytestmark = pytest.mark.slow  # two processes per case
+
 
 @pytest.fixture(scope="module")
 def reference() -> dict[str, torch.Tensor]:

@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # the demo trains in a fresh process per device
+
 ROOT = Path(__file__).resolve().parents[2]
 DEMO = "examples/train_cuda.py"
 TARGETS = {

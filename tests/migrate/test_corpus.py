@@ -17,6 +17,8 @@ import pytest
 from torchport.cli.main import main
 from torchport.migrate import migrate_paths
 
+pytestmark = pytest.mark.slow  # migrated scripts run in fresh processes
+
 HERE = Path(__file__).parent
 CORPUS = sorted((HERE / "corpus").glob("*.py"))
 # runs a script as __main__ with the arguments after it (as `python script.py ARGS` would), then fails if torchport

@@ -28,6 +28,8 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="the browser test d
 from selenium.common.exceptions import WebDriverException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a browser drives a served dashboard
+
 REPO = Path(__file__).resolve().parents[2]
 BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 START_S = 120  # imports torch and gradio and builds the app: ~10 s on a 2-core machine
