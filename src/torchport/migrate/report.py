@@ -93,20 +93,15 @@ def render_table(results: Sequence[FileResult], console: Console, *, mode: str =
         for c in report["changes"]:
             table.add_row(Text(_site(c)), Text(c["rule"]), Text(_short(c["before"])), Text(_short(c["after"])))
         console.print(table)
-    if report["unconverted"]:
-        table = Table(title="left as written: port by hand")
-        for name in ("site", "what", "hint"):
-            table.add_column(name, overflow="fold")
-        for u in report["unconverted"]:
-            table.add_row(Text(_site(u)), Text(u["what"]), Text(u["hint"]))
-        console.print(table)
-    if report["review"]:
-        table = Table(title="to review: stops without a GPU; how to run it on a CPU")
-        for name in ("site", "what", "how"):
-            table.add_column(name, overflow="fold")
-        for v in report["review"]:
-            table.add_row(Text(_site(v)), Text(v["what"]), Text(v["hint"]))
-        console.print(table)
+    for key, title, last in (("unconverted", "left as written: port by hand", "hint"),
+                             ("review", "to review: stops without a GPU; how to run it on a CPU", "how")):
+        if report[key]:
+            table = Table(title=title)
+            for name in ("site", "what", last):
+                table.add_column(name, overflow="fold")
+            for item in report[key]:
+                table.add_row(Text(_site(item)), Text(item["what"]), Text(item["hint"]))
+            console.print(table)
     if report["counts"]["rules"]:
         table = Table(title="changes per rule")
         table.add_column("rule")
