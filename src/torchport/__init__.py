@@ -63,10 +63,10 @@ def _start_simulation() -> None:
         wanted, count = settings.value("simulate"), settings.value("simulate_devices")
     except ValueError:
         return  # the same error is raised, with its message, by the first call that reads the settings
-    if wanted == "npu":
+    if wanted is not None and wanted.partition(":")[0] == "npu":  # "npu" or "npu:<soc>"
         from .testing import simulate_npu
 
-        simulate_npu(count)
+        simulate_npu(count, soc=wanted.partition(":")[2] or None)
 
 
 _start_simulation()

@@ -11,7 +11,9 @@ Variables:
 ``TORCHPORT_DEVICE``
     Force the device torchport picks: a device type (``npu``, ``cuda``, ``cpu``...) or ``type:index``.
 ``TORCHPORT_SIMULATE``
-    ``npu`` activates the simulated Ascend NPU of :mod:`torchport.testing` (tests and demos only).
+    ``npu`` activates the simulated Ascend NPU of :mod:`torchport.testing` (tests and demos only), an Ascend910B3;
+    ``npu:<soc>`` simulates another chip, named as torch_npu names it (``npu:Ascend310P3``, ``npu:Ascend910A``; the
+    list is :func:`torchport.backends.npu.npu_chip_profiles`).
 ``TORCHPORT_SIMULATE_DEVICES``
     Number of simulated devices (1 to 16, default 1).
 ``TORCHPORT_SHIM``
@@ -135,10 +137,18 @@ def _validate(name: str, value: Any, source: str) -> Any:
         kind, index = parse_device_spec(str(value), source)
         return kind if index is None else f"{kind}:{index}"
     if name == "simulate":
-        text = str(value).strip().lower()
-        if text not in _SIMULATABLE:
-            raise ValueError(f"{source}={value!r} cannot be simulated; valid values: {', '.join(_SIMULATABLE)}")
-        return text
+        kind, _, soc = str(value).strip().partition(":")
+        if kind.strip().lower() not in _SIMULATABLE:
+            raise ValueError(f"{source}={value!r} cannot be simulated; valid values: {', '.join(_SIMULATABLE)}, "
+                             "or npu:<soc> for a chip (npu:Ascend310P3)")
+        if not soc.strip():
+            return kind.strip().lower()
+        from .backends.npu import chip_profile  # the chips torchport knows (reading them imports torch, not torch_npu)
+
+        try:
+            return f"npu:{chip_profile(soc).soc_version}"
+        except ValueError as exc:
+            raise ValueError(f"{source}={value!r}: {exc}") from None
     if name == "simulate_devices":
         try:
             count = int(value)

@@ -1,6 +1,7 @@
 """Test helpers, above all the simulated Ascend NPU.
 
-Activate it in tests (the ``npu`` device fixture does) or with ``TORCHPORT_SIMULATE=npu``; never in production code.
+Activate it in tests (the ``npu`` device fixture does) or with ``TORCHPORT_SIMULATE=npu`` (``npu:Ascend310P3`` for
+another chip: :func:`torchport.backends.npu.npu_chip_profiles` lists them); never in production code.
 
 Example:
     >>> import torchport.testing
@@ -17,19 +18,62 @@ from typing import Any
 
 from .simulated_npu import SimulatedTensor, is_active
 
-__all__ = ["simulate_npu", "is_simulating", "unsupported_ops", "SimulatedTensor"]
+__all__ = ["simulate_npu", "simulated_chip", "is_simulating", "unsupported_ops", "SimulatedTensor"]
 
 
-def simulate_npu(device_count: int = 1, total_memory: int = 64 * 1024**3) -> None:
-    """Register the simulated NPU in this process (once; a second call with the same count does nothing).
+def simulate_npu(device_count: int = 1, total_memory: int | None = None, soc: str | None = None) -> None:
+    """Register the simulated NPU in this process (once; a second call with the same count and chip does nothing).
 
     Args:
         device_count: how many ``npu`` devices to simulate (backward runs on ``npu:0`` only).
-        total_memory: bytes of memory per simulated device (64 GiB, as on a 910B, by default).
+        total_memory: bytes of memory per simulated device (default: the chip's, 64 GiB on an Ascend910B3).
+        soc: the chip, by the name torch_npu reports (``"Ascend310P3"``; see
+            :func:`torchport.backends.npu.npu_chip_profiles`); default Ascend910B3, or the chip already simulated.
+
+    Raises:
+        ValueError: an unknown ``soc``; the message lists the known chips.
     """
     from . import simulated_npu
 
-    simulated_npu.activate(device_count, total_memory)
+    simulated_npu.activate(device_count, total_memory, soc)
+
+
+@contextlib.contextmanager
+def simulated_chip(soc: str) -> Iterator[Any]:
+    """Simulate chip ``soc`` inside a ``with`` block (the simulated NPU must be active); yields its profile.
+
+    What torchport remembers per device is forgotten on entry and exit, as on a move to another machine: the kernel
+    registry's choices and warnings (:func:`torchport.kernels.registry.refresh`), the dtype probes and the fused
+    attention operators found.
+
+    Example:
+        >>> with torchport.testing.simulated_chip("Ascend310P3") as chip:
+        ...     torch.npu.is_bf16_supported()
+        False
+    """
+    from . import simulated_npu
+
+    previous = simulated_npu.use_chip(soc)
+    _forget_device_facts()
+    try:
+        yield simulated_npu.state().chip
+    finally:
+        simulated_npu.use_chip(previous.soc_version)
+        _forget_device_facts()
+
+
+def _forget_device_facts() -> None:
+    import sys
+
+    from ..backends import get_backend
+    from ..kernels import registry
+
+    registry.refresh()
+    get_backend("npu")._probes.clear()
+    attention = sys.modules.get("torchport.attention")
+    if attention is not None:
+        attention._operators.clear()
+        attention._broken.clear()
 
 
 def is_simulating() -> bool:

@@ -1,15 +1,22 @@
 """torch_npu's fused operators for the simulated NPU, with torch_npu's names, signatures and results.
 
-They compute with ordinary PyTorch ops on the simulated device (so autograd works as with torch_npu, whose fused
-operators have backward kernels), and count their calls, so tests can check that a kernel took the fused path.
-Contracts, from torch_npu's documentation:
+Each follows its entry in torchport's snapshot of torch_npu's contract (``torchport/backends/data/
+torch_npu_contract.json``: the op-plugin schema, the backward, the chips and the documented limits), and
+``tests/backends/test_npu_contract.py`` holds them to it:
 
-* ``npu_rms_norm(x, gamma, epsilon=1e-6) -> (y, rstd)``: normalised over gamma's dims, y in x's dtype, rstd float32
-  with those dims kept as 1.
-* ``npu_rotary_mul(x, r1, r2) -> x·r1 + rotate_half(x)·r2``, r1/r2 broadcast to x.
-* ``npu_swiglu(x, dim=-1) -> silu(a)·b`` where ``a, b = x.chunk(2, dim)``.
-* ``npu_gelu(x, approximate="none")``.
-* ``npu_fusion_attention(query, key, value, head_num, input_layout, ...)`` -> 7 outputs; see its docstring.
+* the signature is the schema's (names, order, defaults, keyword-only arguments), and so is the number of results;
+* a chip that torch_npu does not document the operator for fails when it is called, with RuntimeError (a real
+  torch_npu has every operator as an attribute on every chip; :func:`only` simulates an older torch_npu *release*
+  without some, whose attribute is then absent);
+* arguments outside the documented limits fail with RuntimeError, as the real operator refuses them (where the
+  documentation leaves the behaviour open, such as ``npu_rotary_mul``'s r1/r2 outside [-1, 1], the simulation
+  refuses too, so that a caller relying on it is caught);
+* operators with a backward (derivatives.yaml) are differentiable; the outputs it lists as non-differentiable are
+  detached; an operator without one fails in the backward, as autograd does for a derivative that is not
+  implemented.
+
+They compute with ordinary PyTorch ops on the simulated device, and count their calls, so tests can check that a
+kernel took the fused path.
 """
 
 from __future__ import annotations
@@ -22,35 +29,140 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..backends.npu import operator_limits
+
 __all__ = ["OPS", "calls", "enabled", "lookup", "only"]
 
 calls: collections.Counter[str] = collections.Counter()
 
 
-def npu_rms_norm(x: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6) -> tuple[torch.Tensor, torch.Tensor]:
-    calls["npu_rms_norm"] += 1
-    dims = tuple(range(x.dim() - gamma.dim(), x.dim()))
-    h = x.float()
+def _start(name: str) -> dict[str, Any]:
+    """Count the call, fail as torch_npu does on a chip without the operator; returns the operator's limits."""
+    from .simulated_npu import state
+
+    calls[name] += 1
+    chip = state().chip
+    reason = chip.lacks(name)
+    if reason is not None:
+        raise RuntimeError(f"{name}: NPU function error: the operator has no kernel for {chip.soc_version}: {reason} "
+                           "(simulated chip, torchport.testing)")
+    return operator_limits(name)
+
+
+def _family() -> str:
+    from .simulated_npu import state
+
+    return state().chip.family
+
+
+def _dtype_name(t: torch.Tensor) -> str:
+    return str(t.dtype).removeprefix("torch.")
+
+
+class _NoDerivative(torch.autograd.Function):
+    """Forward as given; the backward fails as autograd does for an operator without a derivative formula."""
+
+    @staticmethod
+    def forward(ctx: Any, name: str, out: torch.Tensor, *inputs: torch.Tensor) -> torch.Tensor:
+        ctx.name = name
+        return out.clone()
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        raise RuntimeError(f"the derivative for '{ctx.name}' is not implemented (torch_npu's derivatives.yaml has "
+                           "no entry for it; simulated by torchport.testing)")
+
+
+def _without_backward(name: str, out: torch.Tensor, inputs: Iterable[Any]) -> torch.Tensor:
+    grads = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not grads or not torch.is_grad_enabled():
+        return out
+    return _NoDerivative.apply(name, out.detach(), *grads)
+
+
+def npu_rms_norm(self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-06) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: normalised over gamma's dims, y in self's dtype, rstd float32 with those dims kept as 1."""
+    limits = _start("npu_rms_norm")
+    low, high = limits["input_dims"]
+    if not low <= self.dim() <= high:
+        raise RuntimeError(f"npu_rms_norm: self must have {low} to {high} dims, got {list(self.shape)}")
+    if gamma.dim() > self.dim() or tuple(gamma.shape) != tuple(self.shape[self.dim() - gamma.dim():]):
+        raise RuntimeError(f"npu_rms_norm: gamma {list(gamma.shape)} must be the trailing dims of self "
+                           f"{list(self.shape)}")
+    family = _family()
+    pairs = [tuple(pair) for pair in limits["dtype_pairs"].get(family, [])]
+    if (_dtype_name(self), _dtype_name(gamma)) not in pairs:
+        raise RuntimeError(f"npu_rms_norm: (self, gamma) dtypes ({_dtype_name(self)}, {_dtype_name(gamma)}) are not "
+                           f"supported on {family}; supported: {pairs}")
+    least = limits["min_last_dim_bytes"].get(family)
+    if least is not None and self.shape[-1] * self.element_size() < least:
+        raise RuntimeError(f"npu_rms_norm: on {family} the last dim must hold at least {least} bytes, got "
+                           f"{self.shape[-1]} x {self.element_size()}")
+    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
+    h = self.float()
     rstd = torch.rsqrt(h.pow(2).mean(dims, keepdim=True) + epsilon)
-    return (h * rstd * gamma.float()).to(x.dtype), rstd
+    return (h * rstd * gamma.float()).to(self.dtype), rstd.detach()
 
 
-def npu_rotary_mul(x: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor) -> torch.Tensor:
-    calls["npu_rotary_mul"] += 1
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * r1 + rotated * r2
+def npu_rotary_mul(self: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half",
+                   rotate: torch.Tensor | None = None) -> torch.Tensor:
+    """``self·r1 + rotate(self)·r2``, r1/r2 broadcast to self; rotate halves (``"half"``) or pairs
+    (``"interleave"``)."""
+    limits = _start("npu_rotary_mul")
+    low, high = limits["input_dims"]
+    if rotate is not None:
+        raise RuntimeError("npu_rotary_mul: the rotate matrix is not simulated by torchport.testing")
+    if rotary_mode not in limits["rotary_modes"]:
+        raise RuntimeError(f"npu_rotary_mul: rotary_mode {rotary_mode!r} is not one of {limits['rotary_modes']}")
+    if not low <= self.dim() <= high or r1.dim() != self.dim() or r2.shape != r1.shape:
+        raise RuntimeError(f"npu_rotary_mul: self, r1 and r2 must have {low} or {high} dims, r1 and r2 one shape; "
+                           f"got {list(self.shape)}, {list(r1.shape)}, {list(r2.shape)}")
+    head_dim = self.shape[-1]
+    if head_dim % limits["head_dim_multiple"] or head_dim >= limits["head_dim_below"]:
+        raise RuntimeError(f"npu_rotary_mul: the last dim must be even and below {limits['head_dim_below']}, "
+                           f"got {head_dim}")
+    if self.dim() == 4 and (self.shape[0] >= limits["batch_below"] or self.shape[1] >= limits["heads_below"]):
+        raise RuntimeError(f"npu_rotary_mul: B and N must be below {limits['batch_below']}, got {list(self.shape)}")
+    if _family() in limits["compiled_kernel_families"]:
+        kernel = limits["compiled_kernel"]
+        if (self.dim() != kernel["input_dims"] or head_dim != kernel["head_dim"] or r1.shape[0] != kernel["r_batch"]
+                or rotary_mode not in kernel["rotary_modes"] or self.shape[0] > kernel["batch_max"]
+                or self.shape[1] > kernel["heads_max"]):
+            raise RuntimeError(f"npu_rotary_mul: on {_family()} it takes 4-D input with D = {kernel['head_dim']}, "
+                               f"r1/r2 of batch {kernel['r_batch']} and the half mode; got {list(self.shape)}, "
+                               f"{list(r1.shape)}, {rotary_mode!r}")
+    low_r, high_r = limits["r_range"]
+    for name, r in (("r1", r1), ("r2", r2)):
+        if r.numel() and not bool(((r >= low_r) & (r <= high_r)).all()):
+            raise RuntimeError(f"npu_rotary_mul: {name} must lie in [{low_r}, {high_r}] (torch_npu documents that "
+                               "range; outside it the result is not specified)")
+    if rotary_mode == "half":
+        half = head_dim // 2
+        rotated = torch.cat((-self[..., half:], self[..., :half]), dim=-1)
+    else:
+        pairs = self.unflatten(-1, (-1, 2))
+        rotated = torch.stack((-pairs[..., 1], pairs[..., 0]), dim=-1).flatten(-2)
+    return self * r1 + rotated * r2
 
 
-def npu_swiglu(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    calls["npu_swiglu"] += 1
-    a, b = x.chunk(2, dim=dim)
-    return (F.silu(a.float()) * b.float()).to(x.dtype)
+def npu_swiglu(self: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``silu(a)·b`` where ``a, b = self.chunk(2, dim)``."""
+    limits = _start("npu_swiglu")
+    low, high = limits["input_dims"]
+    if not low <= self.dim() <= high or self.numel() == 0 or not self.is_contiguous():
+        raise RuntimeError(f"npu_swiglu: self must be a contiguous, non-empty tensor of {low} to {high} dims, got "
+                           f"{list(self.shape)} (contiguous: {self.is_contiguous()})")
+    if self.shape[dim] % 2:
+        raise RuntimeError(f"npu_swiglu: dim {dim} of {list(self.shape)} does not split in two halves")
+    a, b = self.chunk(2, dim=dim)
+    return (F.silu(a.float()) * b.float()).to(self.dtype)
 
 
-def npu_gelu(x: torch.Tensor, approximate: str = "none") -> torch.Tensor:
-    calls["npu_gelu"] += 1
-    return F.gelu(x, approximate=approximate)
+def npu_gelu(self: torch.Tensor, *, approximate: str = "none") -> torch.Tensor:
+    limits = _start("npu_gelu")
+    if approximate not in limits["approximate"]:
+        raise RuntimeError(f"npu_gelu: approximate {approximate!r} is not one of {limits['approximate']}")
+    return F.gelu(self, approximate=approximate)
 
 
 OPS: dict[str, Callable[..., Any]] = {
@@ -60,13 +172,15 @@ enabled: set[str] = set(OPS)
 
 
 def lookup(name: str) -> Callable[..., Any] | None:
-    """The operator ``name`` if the simulated software stack has it now."""
+    """The operator ``name`` if the simulated torch_npu release has it (whatever the chip: see the module docs)."""
     return OPS.get(name) if name in enabled else None
 
 
 @contextlib.contextmanager
 def only(names: Iterable[str]) -> Iterator[None]:
-    """Simulate a torch_npu release that has only the operators ``names`` (e.g. ``()`` for none) in a block."""
+    """Simulate a torch_npu release that has only the operators ``names`` (e.g. ``()`` for none) in a block: the
+    others are absent attributes, as in a release older than them. (A chip without an operator is another matter:
+    :func:`torchport.testing.simulated_chip`.)"""
     names = set(names)
     unknown = names - set(OPS)
     if unknown:
@@ -84,22 +198,35 @@ def only(names: Iterable[str]) -> Iterator[None]:
 def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None = None,
                            reduction: str = "mean", ignore_index: int = -100, label_smoothing: float = 0.0,
                            lse_square_scale_for_zloss: float = 0.0,
-                           return_zloss: bool = False) -> tuple[torch.Tensor, ...]:
-    """``torch_npu.npu_cross_entropy_loss`` -> ``(loss, log_prob, zloss, lse_for_zloss)``.
+                           return_zloss: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(loss, log_prob, zloss, lse_for_zloss)``.
 
     Contract (torch_npu documentation): input ``[N, C]`` fp16/bf16/fp32 with 0 < N <= 200000; target int64 in
     ``[0, C)``; ignore_index < C, a negative one ignoring nothing; loss in input's dtype (``[N]`` for "none", else
-    one element); log_prob ``[N, C]``; z-loss documented as not supported yet (its outputs are empty).
+    one element); log_prob ``[N, C]``; z-loss documented as not supported yet (its outputs are empty). When input
+    requires grad, "sum" and "none" take only the default label_smoothing, and "mean" only the defaults of weight,
+    ignore_index and label_smoothing.
     """
-    calls["npu_cross_entropy_loss"] += 1
-    if input.dim() != 2 or not 0 < input.shape[0] <= 200_000:
-        raise RuntimeError(f"npu_cross_entropy_loss: input must be [N, C] with 0 < N <= 200000, got {list(input.shape)}")
+    limits = _start("npu_cross_entropy_loss")
+    low, high = limits["rows"]
+    if input.dim() != 2 or not low <= input.shape[0] <= high:
+        raise RuntimeError(f"npu_cross_entropy_loss: input must be [N, C] with {low} <= N <= {high}, got "
+                           f"{list(input.shape)}")
     if target.dtype != torch.int64 or target.shape != input.shape[:1]:
         raise RuntimeError("npu_cross_entropy_loss: target must be int64 of shape [N]")
     if ((target < 0) | (target >= input.shape[1])).any():
         raise RuntimeError("npu_cross_entropy_loss: target values must lie in [0, C)")
+    if reduction not in limits["reductions"]:
+        raise RuntimeError(f"npu_cross_entropy_loss: reduction {reduction!r} is not one of {limits['reductions']}")
     if lse_square_scale_for_zloss or return_zloss:
         raise RuntimeError("npu_cross_entropy_loss: z-loss is not supported")
+    if input.requires_grad and torch.is_grad_enabled():
+        given = {"weight": weight is not None, "ignore_index": ignore_index != -100,
+                 "label_smoothing": label_smoothing != 0.0}
+        refused = [name for name in limits["defaults_only_when_input_requires_grad"][reduction] if given[name]]
+        if refused:
+            raise RuntimeError(f"npu_cross_entropy_loss: when input requires grad, reduction={reduction!r} takes only "
+                               f"the default {', '.join(refused)}")
     log_prob = torch.log_softmax(input.float(), dim=-1)
     loss = F.nll_loss(log_prob, target, weight, ignore_index=ignore_index if ignore_index >= 0 else -(2**62),
                       reduction=reduction)
@@ -113,7 +240,7 @@ def npu_cross_entropy_loss(input: torch.Tensor, target: torch.Tensor, weight: to
     if reduction != "none":
         loss = loss.reshape(1)
     empty = input.new_empty(0)
-    return loss, log_prob.to(input.dtype), empty, empty
+    return loss, log_prob.detach().to(input.dtype), empty, empty
 
 
 OPS[npu_cross_entropy_loss.__name__] = npu_cross_entropy_loss
@@ -152,7 +279,10 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
                          pre_tockens: int = 2147483647, next_tockens: int = 2147483647, inner_precise: int = 0,
                          prefix: list[int] | None = None, actual_seq_qlen: list[int] | None = None,
                          actual_seq_kvlen: list[int] | None = None, sparse_mode: int = 0,
-                         gen_mask_parallel: bool = True, sync: bool = False) -> tuple[Any, ...]:
+                         gen_mask_parallel: bool = True, sync: bool = False, softmax_layout: str = "",
+                         sink: torch.Tensor | None = None, dropout_mask: torch.Tensor | None = None, seed: int = 0,
+                         offset: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, int,
+                                                   int]:
     """``torch_npu.npu_fusion_attention`` -> ``(attention_out, softmax_max, softmax_sum, softmax_out, seed, offset,
     numels)``.
 
@@ -161,7 +291,9 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
 
     * query, key, value in fp16, bf16 or fp32, one dtype, laid out as ``input_layout``: ``BSH``, ``SBH``, ``BSND``,
       ``BNSD`` (``TND``, the varlen layout, is not simulated). ``head_num`` is the query's head count N1; key and
-      value have N2 heads with N1 % N2 == 0 (GQA). Head dims: Dq == Dk >= Dv.
+      value have N2 heads with N1 % N2 == 0 (GQA), 1 <= N1 <= 256. Key and value have one shape (so Dv == Dk; the
+      documentation's "Dk >= Dv" contradicts its own "key and value must have the same shape", which the
+      simulation follows), and 1 <= D <= 768.
     * ``scores = (query @ keyᵀ + pse) * scale`` (``scale`` defaults to 1, not 1/sqrt(D)); ``atten_mask`` is bool or
       uint8, **True/1 = masked out**, of shape [B, N1, Sq, Skv], [B, 1, Sq, Skv], [1, 1, Sq, Skv] or [Sq, Skv]; the
       golden reference adds -40000 at masked positions (a row masked everywhere therefore attends to every key).
@@ -173,9 +305,17 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     * ``keep_prob`` < 1 applies dropout to the probabilities.
     * softmax_max / softmax_sum are float32 [B, N1, Sq, 8] (the row max and the sum of exp(score - max), repeated
       8 times); softmax_out is reserved (empty); seed, offset, numels are ints (0 without dropout).
+    * the arguments added by later releases (softmax_layout for TND, sink, dropout_mask, seed, offset) are taken at
+      their defaults only.
+
+    torch_npu documents it for training, and not for graph mode or aclgraph capture; the simulation cannot tell a
+    graph from eager execution, so callers must avoid those themselves.
     """
-    calls["npu_fusion_attention"] += 1
-    if input_layout not in _LAYOUTS:
+    limits = _start("npu_fusion_attention")
+    if softmax_layout or sink is not None or dropout_mask is not None or seed or offset:
+        raise RuntimeError("npu_fusion_attention: softmax_layout, sink, dropout_mask, seed and offset are simulated "
+                           "at their defaults only")
+    if input_layout not in limits["layouts"]:
         raise RuntimeError(f"npu_fusion_attention: input_layout {input_layout!r} is not one of {', '.join(_LAYOUTS)}")
     if input_layout == "TND":
         raise RuntimeError("npu_fusion_attention: the TND (varlen) layout is not simulated by torchport.testing")
@@ -206,15 +346,22 @@ def npu_fusion_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Te
     kv_heads, s_kv, d_k = k.shape[1], k.shape[2], k.shape[3]
     if heads != head_num:
         raise RuntimeError(f"npu_fusion_attention: head_num={head_num} but the query has {heads} heads")
-    if k.shape[0] != batch or v.shape[:3] != k.shape[:3]:
-        raise RuntimeError(f"npu_fusion_attention: key {list(key.shape)} and value {list(value.shape)} do not match "
-                           f"the query {list(query.shape)} in batch, heads or sequence")
+    if key.shape != value.shape:
+        raise RuntimeError(f"npu_fusion_attention: key {list(key.shape)} and value {list(value.shape)} must have the "
+                           "same shape")
+    if k.shape[0] != batch:
+        raise RuntimeError(f"npu_fusion_attention: key {list(key.shape)} does not match the query "
+                           f"{list(query.shape)} in batch")
     if heads % kv_heads:
         raise RuntimeError(f"npu_fusion_attention: query heads ({heads}) must be a multiple of key/value heads "
                            f"({kv_heads})")
-    if d_q != d_k or v.shape[3] > d_k:
-        raise RuntimeError(f"npu_fusion_attention: head dims must satisfy Dq == Dk >= Dv; got {d_q}, {d_k}, "
-                           f"{v.shape[3]}")
+    low_n, high_n = limits["query_heads"]
+    low_d, high_d = limits["head_dim"]
+    if not low_n <= heads <= high_n:
+        raise RuntimeError(f"npu_fusion_attention: the query has {heads} heads; allowed: {low_n} to {high_n}")
+    if d_q != d_k or not low_d <= d_k <= high_d:
+        raise RuntimeError(f"npu_fusion_attention: query and key head dims must be equal and within {low_d} to "
+                           f"{high_d}; got {d_q} and {d_k}")
 
     masked = None
     if atten_mask is not None:
@@ -270,14 +417,15 @@ def npu_convert_weight_to_int4pack(weight: torch.Tensor, inner_k_tiles: int = 0)
     int4's range; eight codes per int32. torch_npu's order inside a word is its own; the simulation puts code ``i``
     of a word in bits ``4i..4i+3``, and :func:`npu_weight_quant_batchmatmul` reads it back the same way.
     """
-    calls["npu_convert_weight_to_int4pack"] += 1
-    if weight.dtype != torch.int32 or weight.dim() != 2 or not weight.is_contiguous():
+    limits = _start("npu_convert_weight_to_int4pack")
+    if weight.dtype != torch.int32 or weight.dim() != limits["dims"] or not weight.is_contiguous():
         raise RuntimeError("npu_convert_weight_to_int4pack: weight must be a contiguous 2-D int32 tensor")
-    if weight.shape[-1] % 8:
+    if weight.shape[-1] % limits["last_dim_multiple"]:
         raise RuntimeError(f"npu_convert_weight_to_int4pack: the last dimension ({weight.shape[-1]}) must be a "
-                           f"multiple of 8")
-    if ((weight < -8) | (weight > 7)).any():
-        raise RuntimeError("npu_convert_weight_to_int4pack: values must lie in int4's range [-8, 7]")
+                           f"multiple of {limits['last_dim_multiple']}")
+    low, high = limits["value_range"]
+    if ((weight < low) | (weight > high)).any():
+        raise RuntimeError(f"npu_convert_weight_to_int4pack: values must lie in int4's range [{low}, {high}]")
     nibbles = (weight & 0xF).to(torch.int64).reshape(*weight.shape[:-1], -1, 8)
     shifts = torch.arange(0, 32, 4, device=weight.device, dtype=torch.int64)
     words = (nibbles << shifts).sum(-1)
@@ -293,38 +441,49 @@ def _unpack_int4(words: torch.Tensor) -> torch.Tensor:
 def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquant_scale: torch.Tensor,
                                  antiquant_offset: torch.Tensor | None = None, quant_scale: torch.Tensor | None = None,
                                  quant_offset: torch.Tensor | None = None, bias: torch.Tensor | None = None,
-                                 antiquant_group_size: int = 0, inner_precise: int = 0) -> torch.Tensor:
+                                 antiquant_group_size: int = 0, inner_precise: int = 0,
+                                 weight_dtype: int | None = None) -> torch.Tensor:
     """``torch_npu.npu_weight_quant_batchmatmul``: ``x @ ((weight + antiquant_offset) * antiquant_scale) + bias``.
 
-    Contract (torch_npu documentation, Atlas A2/A3): x ``(M, K)`` fp16/bf16; weight ``(K, N)`` int8, or int32 ``(K,
-    N / 8)`` from :func:`npu_convert_weight_to_int4pack` (transposed views allowed); antiquant_scale in x's dtype,
-    ``(N,)`` / ``(1, N)`` per channel or ``(ceil(K / group), N)`` per group with ``antiquant_group_size`` = group;
-    antiquant_offset of the same shape and dtype; output in x's dtype. Output quantisation (quant_scale) is not
-    simulated.
+    Contract (torch_npu documentation): x ``(M, K)`` fp16/bf16 (fp16 only on 310P); weight ``(K, N)`` int8, or
+    int32 ``(K, N / 8)`` from :func:`npu_convert_weight_to_int4pack` (not on 310P; transposed views allowed); K and
+    N within [1, 65535]; antiquant_scale in x's dtype, ``(N,)`` / ``(1, N)`` per channel or ``(ceil(K / group), N)``
+    per group, with ``antiquant_group_size`` 0 (no groups) or a multiple of 32 within [32, K - 1]; antiquant_offset
+    of the same shape and dtype; output in x's dtype; no backward. Output quantisation (quant_scale) and
+    weight_dtype are not simulated.
     """
-    calls["npu_weight_quant_batchmatmul"] += 1
-    if x.dtype not in (torch.float16, torch.bfloat16) or x.dim() != 2:
-        raise RuntimeError(f"npu_weight_quant_batchmatmul: x must be 2-D fp16/bf16, got {x.dtype} {list(x.shape)}")
-    if quant_scale is not None or quant_offset is not None:
-        raise RuntimeError("npu_weight_quant_batchmatmul: output quantisation is not simulated")
-    if weight.dtype == torch.int8:
-        codes = weight.to(torch.int32)
-    elif weight.dtype == torch.int32:
-        codes = _unpack_int4(weight.contiguous())
-    else:
-        raise RuntimeError(f"npu_weight_quant_batchmatmul: weight must be int8 or int32 (int4 pack), got {weight.dtype}")
+    limits = _start("npu_weight_quant_batchmatmul")
+    family = _family()
+    x_dtypes, weight_dtypes = limits["x_dtypes"][family], limits["weight_dtypes"][family]
+    if _dtype_name(x) not in x_dtypes or x.dim() != limits["x_dims"]:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: x must be 2-D {'/'.join(x_dtypes)} on {family}, got "
+                           f"{x.dtype} {list(x.shape)}")
+    if quant_scale is not None or quant_offset is not None or weight_dtype is not None:
+        raise RuntimeError("npu_weight_quant_batchmatmul: output quantisation and weight_dtype are not simulated")
+    if _dtype_name(weight) not in weight_dtypes:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: weight must be {' or '.join(weight_dtypes)} on {family} "
+                           f"(int32 holds packed int4), got {weight.dtype}")
+    codes = weight.to(torch.int32) if weight.dtype == torch.int8 else _unpack_int4(weight.contiguous())
     k, n = codes.shape
     if x.shape[1] != k:
         raise RuntimeError(f"npu_weight_quant_batchmatmul: x has K={x.shape[1]}, weight has K={k}")
+    low, high = limits["k_n_range"]
+    if not (low <= k <= high and low <= n <= high) or x.shape[0] == 0:
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: K and N must lie in [{low}, {high}] and x must not be "
+                           f"empty; got M={x.shape[0]}, K={k}, N={n}")
+    if antiquant_group_size and not (limits["group_size_min"] <= antiquant_group_size <= k - 1
+                                     and antiquant_group_size % limits["group_size_multiple"] == 0):
+        raise RuntimeError(f"npu_weight_quant_batchmatmul: antiquant_group_size must be 0 or a multiple of "
+                           f"{limits['group_size_multiple']} within [{limits['group_size_min']}, K - 1 = {k - 1}], "
+                           f"got {antiquant_group_size}")
     for name, t in (("antiquant_scale", antiquant_scale), ("antiquant_offset", antiquant_offset)):
         if t is not None and t.dtype != x.dtype:
             raise RuntimeError(f"npu_weight_quant_batchmatmul: {name} must have x's dtype {x.dtype}, got {t.dtype}")
     if antiquant_group_size:
         groups = -(-k // antiquant_group_size)
-        if antiquant_group_size % 32 or tuple(antiquant_scale.shape) != (groups, n):
-            raise RuntimeError(f"npu_weight_quant_batchmatmul: per-group scales must be ({groups}, {n}) with a group "
-                               f"size that is a multiple of 32, got {list(antiquant_scale.shape)} and "
-                               f"{antiquant_group_size}")
+        if tuple(antiquant_scale.shape) != (groups, n):
+            raise RuntimeError(f"npu_weight_quant_batchmatmul: per-group scales must be ({groups}, {n}), got "
+                               f"{list(antiquant_scale.shape)}")
         expand = lambda t: t.float().repeat_interleave(antiquant_group_size, dim=0)[:k]  # noqa: E731
     else:
         if antiquant_scale.numel() not in (1, n):
@@ -336,8 +495,12 @@ def npu_weight_quant_batchmatmul(x: torch.Tensor, weight: torch.Tensor, antiquan
     w = w * expand(antiquant_scale)
     out = x.float() @ w
     if bias is not None:
+        wanted = limits["bias_dtype"][_dtype_name(x)]
+        if _dtype_name(bias) != wanted:
+            raise RuntimeError(f"npu_weight_quant_batchmatmul: bias must be {wanted} for {x.dtype} x, got {bias.dtype}")
         out = out + bias.float()
-    return out.to(x.dtype)
+    return _without_backward("npu_weight_quant_batchmatmul", out.to(x.dtype),
+                             (x, antiquant_scale, antiquant_offset, bias))
 
 
 for _op in (npu_convert_weight_to_int4pack, npu_weight_quant_batchmatmul):

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
+import re
 import threading
 import time
 import types
+import warnings
 from collections import namedtuple
 from collections.abc import Iterator
 from typing import Any
@@ -17,11 +20,26 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 __all__ = ["build", "register_autocast"]
 
-# Field names of torch_npu's _NPUDeviceProperties (torch_npu/csrc/npu/Module.cpp); the figures describe a 910B.
+# The fields of torch_npu's _NPUDeviceProperties (Ascend/pytorch torch_npu/csrc/npu/Module.cpp, branches v2.6.0 to
+# v2.12.0 and master): Module.cpp sets name (the SoC name), total_memory, cube_core_num, vector_core_num,
+# L2_cache_size, uuid and (26.x releases) multi_processor_count = vector_core_num or else cube_core_num; the others,
+# major and minor included, are never set and read None.
 _NPUDeviceProperties = namedtuple(
-    "_NPUDeviceProperties", "name total_memory cube_core_num vector_core_num L2_cache_size major minor"
+    "_NPUDeviceProperties",
+    "name total_memory cube_core_num vector_core_num L2_cache_size major minor is_multi_gpu_board is_integrated "
+    "multi_processor_count max_threads_per_multi_processor warp_size regs_per_multiprocessor gcnArchName uuid",
 )
-_DEVICE_NAME = "Ascend910B (simulated)"
+
+
+class _CUuuid:
+    """torch_npu's device UUID object: 16 ``bytes``, printed in the usual 8-4-4-4-12 form."""
+
+    def __init__(self, index: int) -> None:
+        self.bytes = [0x54, 0x50, 0x4E, 0x50, *([0] * 11), index]  # "TPNP": made up, one per device
+
+    def __str__(self) -> str:
+        text = bytes(self.bytes).hex()
+        return f"{text[:8]}-{text[8:12]}-{text[12:16]}-{text[16:20]}-{text[20:]}"
 
 
 def build(state: Any) -> types.ModuleType:
@@ -50,12 +68,28 @@ def build(state: Any) -> types.ModuleType:
         index_of(device)  # host arithmetic is synchronous; still reject a bad device
 
     def get_device_name(device: Any = None) -> str:
-        index_of(device)
-        return _DEVICE_NAME
+        index_of(device)  # checked, then ignored: torch_npu names the SoC of the process, whatever the index
+        return state.chip.soc_version
 
     def get_device_properties(device: Any = None) -> _NPUDeviceProperties:
-        total = state.memory[index_of(device)].total
-        return _NPUDeviceProperties(_DEVICE_NAME, total, 24, 48, 192 * 2**20, 2, 2)
+        index = index_of(device)
+        chip = state.chip
+        return _NPUDeviceProperties(
+            name=chip.soc_version, total_memory=state.memory[index].total, cube_core_num=chip.ai_cores,
+            vector_core_num=chip.vector_cores, L2_cache_size=chip.l2_bytes, major=None, minor=None,
+            is_multi_gpu_board=None, is_integrated=None, multi_processor_count=chip.multi_processor_count,
+            max_threads_per_multi_processor=None, warp_size=None, regs_per_multiprocessor=None, gcnArchName=None,
+            uuid=_CUuuid(index))
+
+    def get_device_capability(device: Any = None) -> tuple[int, int] | None:
+        # torch_npu (26.x releases; 7.3.0 and older warn and answer None): "major.minor" from
+        # TORCH_NPU_DEVICE_CAPABILITY when set, else a warning and None
+        found = re.match(r"^(\d+)\.(\d+)$", os.environ.get("TORCH_NPU_DEVICE_CAPABILITY", ""))
+        if found is None:
+            warnings.warn("torch.npu.get_device_capability: an NPU has no CUDA compute capability; set "
+                          "TORCH_NPU_DEVICE_CAPABILITY=major.minor to report one (simulated NPU)", stacklevel=2)
+            return None
+        return int(found.group(1)), int(found.group(2))
 
     def mem_get_info(device: Any = None) -> tuple[int, int]:
         mem = state.memory[index_of(device)]
@@ -249,11 +283,11 @@ def build(state: Any) -> types.ModuleType:
                 current_streams[s.device_index] = previous
 
     # -- dtypes and autocast ------------------------------------------------------------------------------------
-    def is_bf16_supported() -> bool:
-        return True
+    def is_bf16_supported(including_emulation: bool = False) -> bool:
+        return state.chip.bf16
 
     def get_amp_supported_dtype() -> list[torch.dtype]:
-        return [torch.float16, torch.bfloat16]
+        return [torch.float16, torch.bfloat16, torch.float32] if state.chip.bf16 else [torch.float16, torch.float32]
 
     amp = types.ModuleType("torch.npu.amp", "Automatic mixed precision for the simulated NPU.")
 

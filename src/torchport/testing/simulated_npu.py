@@ -18,9 +18,15 @@ What it keeps faithful, because code under test depends on it:
 - operators can be declared missing (:func:`torchport.testing.unsupported_ops`): running one then fails as
   PyTorch's dispatcher fails for a device without a kernel ("Could not run 'aten::erfinv' with arguments from the
   'PrivateUse1' backend..."), or, with ``torch_npu_fallback=True``, runs on the host after torch_npu's warning, as
-  torch_npu's own CPU fallback does; the npu backend's ``has_kernel`` and ``op_support`` agree with that, and a
-  kernel registered for the operator on PrivateUse1 (:func:`torchport.compat.cpu_fallback`) runs instead, as the
-  real dispatcher would run it.
+  torch_npu's own CPU fallback does (and fails, as torch_npu's does, when ``TORCH_NPU_FALLBACK_CPU_DISABLE`` is a
+  non-zero integer); the npu backend's ``has_kernel`` and ``op_support`` agree with that, and a kernel registered
+  for the operator on PrivateUse1 (:func:`torchport.compat.cpu_fallback`) runs instead, as the real dispatcher
+  would run it.
+- the device is one Ascend chip (:class:`torchport.backends.npu.ChipProfile`, Ascend910B3 unless
+  ``TORCHPORT_SIMULATE=npu:<soc>`` or :func:`torchport.testing.simulated_chip` says otherwise): its name, cores and
+  memory are what ``torch.npu`` reports; on a chip without bfloat16 (Ascend910A, Ascend310P) an operator computing
+  on bfloat16 tensors fails (copies and views of them work), and a torch_npu fused operator the chip lacks fails
+  when called (:mod:`torchport.testing.npu_fused_ops`).
 
 Limits, all from PyTorch's Python backend mechanism: backward runs on ``npu:0`` only (the autograd engine sizes its
 device queues from a C++ device guard that reports one device), ``torch.Generator("npu")`` cannot be made
@@ -40,9 +46,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
-__all__ = ["SimulatedTensor", "activate", "declare_unsupported", "is_active", "state"]
+from ..backends.npu import ChipProfile, chip_profile
+
+__all__ = ["SimulatedTensor", "activate", "declare_unsupported", "is_active", "state", "use_chip"]
 
 _NPU = "npu"
 GiB = 1024**3
@@ -69,8 +77,9 @@ class _DeviceMemory:
 
 
 class _State:
-    def __init__(self, device_count: int, total_memory: int) -> None:
+    def __init__(self, device_count: int, total_memory: int, chip: ChipProfile) -> None:
         self.device_count = device_count
+        self.chip = chip
         self.memory = [_DeviceMemory(total_memory) for _ in range(device_count)]
         self.generators = [torch.Generator() for _ in range(device_count)]
         self.initial_seeds = [g.initial_seed() for g in self.generators]
@@ -296,6 +305,8 @@ def _run_on_host(func, args: tuple, kwargs: dict, dispatched: bool = False) -> A
         return x
 
     host_args, host_kwargs = tree_map(unwrap, (args, kwargs))
+    if not st.chip.bf16 and sim_devices and name not in _BF16_MOVES and not name.startswith("sym_"):
+        _refuse_bf16(st, func, host_args, host_kwargs)
     if name not in _MIXING_ALLOWED and sim_devices:
         others = sorted({str(d) for d in sim_devices} | ({str(host_device)} if host_device is not None else set()))
         if len(others) > 1:
@@ -326,6 +337,39 @@ def _run_on_host(func, args: tuple, kwargs: dict, dispatched: bool = False) -> A
     out = func(*host_args, **host_kwargs)
 
     return tree_map(lambda x: _wrap_result(x, originals, target), out)
+
+
+# What a chip without bfloat16 still does with bfloat16 tensors: allocate, fill, copy and convert them (views never
+# reach a kernel). Anything else that reads one computes in bfloat16, which the chip's kernels lack.
+_BF16_MOVES = frozenset({
+    "_to_copy", "copy_", "_copy_from", "_copy_from_and_resize", "clone", "fill_", "zero_", "empty", "empty_like",
+    "empty_strided", "new_empty", "new_empty_strided", "lift_fresh", "lift_fresh_copy", "set_", "resize_", "detach",
+    "alias", "_reshape_alias", "view", "as_strided", "t", "transpose", "permute", "expand", "select", "slice",
+    "unsqueeze", "squeeze", "split", "split_with_sizes", "unbind", "narrow", "_unsafe_view", "unfold", "diagonal",
+    "chunk", "_local_scalar_dense", "dim", "numel", "is_contiguous", "is_strides_like_format",
+    "is_non_overlapping_and_dense", "is_same_size", "_has_compatible_shallow_copy_type",
+})
+
+
+def _refuse_bf16(st: _State, func, args: tuple, kwargs: dict) -> None:  # noqa: ANN001
+    if _returns_view_of(func):
+        return
+    if any(isinstance(x, torch.Tensor) and x.dtype == torch.bfloat16 for x in tree_flatten((args, kwargs))[0]):
+        raise RuntimeError(
+            f"{func}: {st.chip.soc_version} ({st.chip.family}) has no bfloat16 kernels; torch_npu computes in "
+            "bfloat16 from the Ascend910B1 on (simulated chip, torchport.testing)"
+        )
+
+
+_views: dict[Any, bool] = {}
+
+
+def _returns_view_of(func) -> bool:  # noqa: ANN001
+    known = _views.get(func)
+    if known is None:
+        known = _views[func] = any(r.alias_info is not None and not r.alias_info.is_write
+                                   for r in func._schema.returns)
+    return known
 
 
 def _wrap_result(x: Any, originals: dict[int, torch.Tensor], target: int | None) -> Any:
@@ -414,6 +458,11 @@ def _unsupported(st: _State, qualified: str) -> None:
                           "will fall back to run on the CPU. This may have performance implications.", stacklevel=3)
         return
     backends = [key for key in ("CPU", "CUDA", "Meta") if _dispatcher_has(qualified, key)]
+    if st.host_fallback and "CPU" in backends:  # torch_npu's CPU fallback exists, but the user turned it off
+        raise RuntimeError(
+            f"The operator '{qualified}' has no NPU kernel and would run on the CPU through torch_npu's fallback, "
+            "which TORCH_NPU_FALLBACK_CPU_DISABLE turns off. (simulated by torchport.testing.unsupported_ops)"
+        )
     raise NotImplementedError(
         f"Could not run '{qualified}' with arguments from the 'PrivateUse1' backend. This could be because the "
         "operator doesn't exist for this backend, or was omitted during the selective/custom build process (if "
@@ -484,19 +533,30 @@ def _copy_from_and_resize(src: torch.Tensor, dst: torch.Tensor) -> torch.Tensor:
 _libraries: list[torch.library.Library] = []
 
 
-def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
-    """Register the simulated NPU in this process (idempotent for the same device count).
+def activate(device_count: int = 1, total_memory: int | None = None, soc: str | None = None) -> None:
+    """Register the simulated NPU in this process (idempotent for the same device count and chip).
+
+    ``soc`` names the chip (:func:`torchport.backends.npu.chip_profile`; None: the one already active, else
+    Ascend910B3); ``total_memory`` defaults to the chip's memory.
 
     Raises:
-        RuntimeError: a real torch_npu is imported, or PrivateUse1 is already taken by another backend.
+        RuntimeError: a real torch_npu is imported, PrivateUse1 is already taken by another backend, or the
+            simulated NPU is already active with another device count or chip.
+        ValueError: an unknown ``soc`` (the message lists the known chips).
     """
     global _state
+    chip = None if soc is None else chip_profile(soc)
     with _activate_lock:
         if _state is not None:
             if _state.device_count != device_count:
                 raise RuntimeError(
                     f"the simulated NPU is already active with {_state.device_count} device(s); "
                     f"asked for {device_count}. The device count is fixed for the life of the process."
+                )
+            if chip is not None and chip != _state.chip:
+                raise RuntimeError(
+                    f"the simulated NPU is already active as {_state.chip.soc_version}; asked for "
+                    f"{chip.soc_version}. Tests switch chips with torchport.testing.simulated_chip()."
                 )
             return
         if "torch_npu" in sys.modules:
@@ -517,7 +577,8 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
 
         from . import npu_module
 
-        _state = _State(device_count, total_memory)
+        chip = chip or chip_profile()
+        _state = _State(device_count, chip.memory_bytes if total_memory is None else total_memory, chip)
         _setup_privateuseone_for_python_backend(_NPU, backend_module=npu_module.build(_state))
         sys.modules["torch.npu"] = torch.npu
         sys.modules["torch.npu.amp"] = torch.npu.amp
@@ -563,4 +624,18 @@ def activate(device_count: int = 1, total_memory: int = 64 * GiB) -> None:
 
             @property
             def host_fallback(self) -> bool:  # type: ignore[override]
-                return state().host_fallback
+                # declared with torch_npu_fallback=True, and not turned off by TORCH_NPU_FALLBACK_CPU_DISABLE
+                return state().host_fallback and NpuBackend.host_fallback.fget(self)
+
+
+def use_chip(soc: str) -> ChipProfile:
+    """Make the simulated device chip ``soc`` from now on; returns the chip it was. Device memory keeps its size.
+
+    Raises:
+        ValueError: an unknown ``soc`` (the message lists the known chips).
+    """
+    st = state()
+    chip = chip_profile(soc)
+    with st.lock:
+        previous, st.chip = st.chip, chip
+    return previous
