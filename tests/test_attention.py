@@ -18,6 +18,7 @@ import torch.nn.functional as F
 import torchport
 from torchport import attention
 from torchport.backends import get_backend
+from torchport.kernels import registry
 
 transformers = pytest.importorskip("transformers")
 
@@ -45,6 +46,22 @@ def _tiny_llama() -> transformers.PreTrainedModel:
     return _build(attn_implementation="sdpa")
 
 
+def _fused_on(device: torch.device) -> bool:
+    """Whether npu_fusion_attention runs on ``device`` (an NPU whose torch_npu and chip have it)."""
+    return device.type == "npu" and registry.fused_op_unavailable("npu_fusion_attention", device) is None
+
+
+def _needs_fused(npu: torch.device) -> None:
+    reason = registry.fused_op_unavailable("npu_fusion_attention", npu)
+    if reason is not None:
+        pytest.skip(reason)
+
+
+def _needs_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    if not get_backend(device.type).dtype_works(dtype, device.index or 0):
+        pytest.skip(f"{dtype} does not work on {device} (dtype probe)")
+
+
 @pytest.fixture
 def fused_calls():
     from torchport.testing import npu_fused_ops
@@ -57,7 +74,7 @@ def fused_calls():
 def test_best_is_the_backends_choice(device: torch.device) -> None:
     chosen = attention.best(device)
     assert chosen == get_backend(device.type).attention_implementation(device.index or 0)
-    expected = {"cpu": {"sdpa"}, "npu": {"npu_fusion_attention"},
+    expected = {"cpu": {"sdpa"}, "npu": {"npu_fusion_attention" if _fused_on(device) else "sdpa"},
                 "cuda": {"flash_attention_3", "flash_attention_2", "sdpa"}}.get(device.type, {"sdpa"})
     assert chosen in expected
 
@@ -87,6 +104,7 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, masked: torch.
 
 
 def test_npu_fusion_attention_layouts_gqa_and_mask(npu: torch.device) -> None:
+    _needs_fused(npu)
     from torchport.testing.npu_fused_ops import npu_fusion_attention
 
     gen = torch.Generator().manual_seed(0)
@@ -114,6 +132,7 @@ def test_npu_fusion_attention_layouts_gqa_and_mask(npu: torch.device) -> None:
 
 
 def test_npu_fusion_attention_sparse_modes(npu: torch.device) -> None:
+    _needs_fused(npu)
     from torchport.testing.npu_fused_ops import npu_fusion_attention
 
     gen = torch.Generator().manual_seed(1)
@@ -178,6 +197,7 @@ CASES = {  # name: (batch, heads, kv heads, q_len, kv_len, head dim, left paddin
 def test_fused_attention_matches_sdpa(device: torch.device, case: str, dtype: torch.dtype, fused_calls) -> None:
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    _needs_dtype(device, dtype)
     attention.register()
     forward = transformers.AttentionInterface._global_mapping["npu_fusion_attention"]
     b, n, n_kv, s_q, s_kv, d, pads = CASES[case]
@@ -202,7 +222,7 @@ def test_fused_attention_matches_sdpa(device: torch.device, case: str, dtype: to
     for name, a, e in zip(("out", "dq", "dk", "dv"), got, expected):
         assert torch.isfinite(a).all(), name
         assert _rel(a, e) < TOLERANCE[dtype], (name, _rel(a, e))
-    assert fused_calls() == (1 if device.type == "npu" else 0)
+    assert fused_calls() == (1 if _fused_on(device) else 0)
 
 
 def test_fused_attention_zeroes_rows_with_nothing_to_attend(npu: torch.device) -> None:
@@ -229,6 +249,8 @@ def test_fused_attention_float_masks_and_cpu_tensors_take_sdpa(npu: torch.device
 
 def test_fused_attention_falls_back_once_when_the_operator_fails(npu: torch.device, monkeypatch) -> None:
     from torchport.testing import npu_fused_ops
+
+    _needs_fused(npu)
 
     def broken(*args, **kwargs):
         raise RuntimeError("EZ9999: simulated operator failure")
@@ -273,7 +295,7 @@ def test_apply_to_a_model_matches_sdpa_forward_backward_and_generate(device: tor
         generated = [m.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                 pad_token_id=0) for m in (reference, model)]
     assert torch.equal(generated[0], generated[1])
-    if device.type == "npu":
+    if _fused_on(device):
         assert fused_calls() > 0
 
 
@@ -333,12 +355,13 @@ def test_hook_turns_a_flash_request_into_the_best_with_one_warning(hook) -> None
 def test_hook_default_gives_new_models_the_best_for_the_device(hook, npu: torch.device) -> None:
     _flash_missing()
     hook.install_hook(default=True)
+    best = "npu_fusion_attention" if _fused_on(npu) else "sdpa"
     with torchport.settings.override(device="npu"):
         model = _build()
-        assert model.config._attn_implementation == "npu_fusion_attention"
-        with pytest.warns(RuntimeWarning, match="using 'npu_fusion_attention', the best available on npu"):
+        assert model.config._attn_implementation == best
+        with pytest.warns(RuntimeWarning, match=f"using '{best}', the best available on npu"):
             flash = _build(attn_implementation="flash_attention_2")
-        assert flash.config._attn_implementation == "npu_fusion_attention"
+        assert flash.config._attn_implementation == best
         assert _build(attn_implementation="eager").config._attn_implementation == "eager"
     with torchport.settings.override(device="cpu"):
         assert _build().config._attn_implementation == "sdpa"
@@ -348,3 +371,65 @@ def test_hook_default_gives_new_models_the_best_for_the_device(hook, npu: torch.
     with torch.no_grad():
         assert _rel(model(ids).logits, reference(ids).logits) < 1e-6
         assert _rel(model.to(npu)(ids.to(npu)).logits.cpu(), reference(ids).logits) < 1e-5
+
+
+def test_fused_attention_takes_sdpa_where_the_operator_refuses(npu: torch.device, fused_calls,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch_npu documents npu_fusion_attention for key and value of one shape, head dims up to 768 and up to 256
+    query heads: other tensors go to SDPA (one warning each), and the simulated operator refuses them too."""
+    from torchport.testing.npu_fused_ops import npu_fusion_attention
+
+    _needs_fused(npu)
+    attention.register()
+    monkeypatch.setattr(attention, "_warned", set())
+    forward = transformers.AttentionInterface._global_mapping["npu_fusion_attention"]
+    gen = torch.Generator().manual_seed(3)
+    cases = {  # (q heads, kv heads, Dqk, Dv) -> the reason
+        (2, 2, 16, 8): "takes key and value of one shape",  # an MLA model's value head
+        (257, 1, 8, 8): "and 1 to 256 query heads, not 8 and 257",
+        (1, 1, 769, 769): "takes head dims of 1 to 768",
+    }
+    for (n, n_kv, d, d_v), reason in cases.items():
+        q, k = torch.randn(1, n, 3, d, generator=gen), torch.randn(1, n_kv, 3, d, generator=gen)
+        v = torch.randn(1, n_kv, 3, d_v, generator=gen)
+        with pytest.warns(RuntimeWarning, match=reason):
+            out, _ = forward(_Attention(n // n_kv), q.to(npu), k.to(npu), v.to(npu), None, scaling=0.3)
+        group = n // n_kv
+        expected = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
+                                                  is_causal=True, scale=0.3).transpose(1, 2)
+        assert _rel(out.cpu(), expected) < 1e-5
+    assert fused_calls() == 0
+    q, k, v = torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 16), torch.randn(1, 2, 3, 8)
+    with pytest.raises(RuntimeError, match="must have the same shape"):
+        npu_fusion_attention(q.to(npu), k.to(npu), v.to(npu), 2, "BNSD")
+
+
+def test_fused_attention_is_left_out_of_compiled_graphs(npu: torch.device, fused_calls,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """npu_fusion_attention is documented for eager execution, not graph mode: while a graph is being compiled the
+    function takes SDPA."""
+    _needs_fused(npu)
+    attention.register()
+    forward = transformers.AttentionInterface._global_mapping["npu_fusion_attention"]
+    q = torch.randn(1, 2, 3, 16).to(npu)
+    forward(_Attention(1), q, q, q, None)
+    assert fused_calls() == 1
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    forward(_Attention(1), q, q, q, None)
+    assert fused_calls() == 1
+
+
+def test_fused_attention_on_a_chip_without_it_is_sdpa(npu: torch.device, fused_calls) -> None:
+    from torchport.testing import is_simulating, simulated_chip
+
+    if not is_simulating():
+        pytest.skip("simulates an Ascend910_9392; this NPU is a real one")
+    attention.register()
+    forward = transformers.AttentionInterface._global_mapping["npu_fusion_attention"]
+    q = torch.randn(1, 2, 3, 16)
+    with simulated_chip("Ascend910_9392"):  # A3: torch_npu documents the operator for A2 and 950
+        assert attention.best(npu) == "sdpa"
+        out, _ = forward(_Attention(1), q.to(npu), q.to(npu), q.to(npu), None)
+    assert fused_calls() == 0
+    expected = F.scaled_dot_product_attention(q, q, q, is_causal=True).transpose(1, 2)
+    assert _rel(out.cpu(), expected) < 1e-5

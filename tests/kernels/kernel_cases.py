@@ -10,9 +10,11 @@ import contextlib
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import pytest
 import torch
 
 import torchport
+from torchport.backends import get_backend
 from torchport.kernels import registry
 
 # Largest relative error ||out - ref|| / ||ref|| against a float64 reference, per dtype of the tensors under test.
@@ -27,9 +29,44 @@ def forced(name: str) -> Iterator[None]:
 
 
 def call(op: str, name: str, *args: Any) -> Any:
-    """Run implementation ``name`` of ``op`` directly, forced (so a failing backward raises)."""
+    """Run implementation ``name`` of ``op`` directly, forced (so a failing backward raises); skip the test where
+    the implementation cannot run on the tensors' device (a chip without the vendor's operator) or refuses these
+    arguments (:class:`~torchport.kernels.registry.Unsupported`: outside the vendor operator's limits on this chip).
+    Tests that expect the refusal call ``registry.implementation(op, name).fn`` themselves."""
+    impl = registry.implementation(op, name)
+    device = next((a.device for a in args if isinstance(a, torch.Tensor)), None)
+    reason = impl.unavailable_reason(device) if device is not None and impl.serves(device.type) else None
+    if reason is not None:
+        pytest.skip(f"{op}: {name} cannot run on {device} ({reason})")
     with forced(name):
-        return registry.implementation(op, name).fn(*args)
+        try:
+            return impl.fn(*args)
+        except registry.Unsupported as exc:
+            pytest.skip(f"{op}: {name} refuses these arguments on {device} ({exc})")
+
+
+def needs_dtype(device: torch.device, dtype: torch.dtype) -> None:
+    """Skip where ``device`` does not compute in ``dtype`` (bfloat16 on an Ascend910A or 310P, by the dtype probe)."""
+    if not get_backend(device.type).dtype_works(dtype, device.index or 0):
+        pytest.skip(f"{dtype} does not work on {device} (dtype probe)")
+
+
+@contextlib.contextmanager
+def on_chip(soc: str) -> Iterator[None]:
+    """Simulate Ascend chip ``soc`` in the block, for a test of what that chip does; skipped on a real NPU."""
+    from torchport.testing import is_simulating, simulated_chip
+
+    if not is_simulating():
+        pytest.skip(f"simulates an {soc}; this NPU is a real one")
+    with simulated_chip(soc):
+        yield
+
+
+def needs_fused(device: torch.device, name: str) -> None:
+    """Skip where the vendor fused operator ``name`` cannot run on ``device`` (its software stack or chip lacks it)."""
+    reason = registry.fused_op_unavailable(name, device)
+    if reason is not None:
+        pytest.skip(reason)
 
 
 def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:

@@ -8,7 +8,7 @@ import torchport
 from torchport.kernels import Unsupported, registry
 from torchport.kernels.cross_entropy import check_targets
 
-from kernel_cases import call, check_close, forced
+from kernel_cases import call, check_close, forced, needs_fused
 
 IGNORE = -100
 SHAPES = [(1, 1000), (7, 32003), (33, 1000)]  # vocabularies that are not powers of two, one wider than a chunk
@@ -58,8 +58,9 @@ def test_forward_backward_against_float64(shape, reduction, option, device, dtyp
     x = x64.to(device, dtype).requires_grad_()
     td = t.to(device)
     if impl == "npu" and z:
+        n_valid = check_targets("test", td, x.shape[-1], IGNORE)
         with pytest.raises(Unsupported, match="z-loss"):
-            run(impl, x, td, smoothing, z, reduction)
+            registry.implementation("cross_entropy", "npu").fn(x, td, IGNORE, smoothing, reduction, z, False, n_valid)
         return
     loss = run(impl, x, td, smoothing, z, reduction)
     assert loss.dtype == dtype and loss.device == x.device and loss.shape == ref.shape
@@ -72,7 +73,8 @@ def test_forward_backward_against_float64(shape, reduction, option, device, dtyp
 def test_all_rows_ignored_give_zero_loss_and_gradient(reduction, device, impl):
     x, t = make(5, 1000, ignored="all")
     x = x.float().to(device).requires_grad_()
-    loss = run(impl, x, t.to(device), 0.1, 0.0, reduction)
+    smoothing = 0.0 if impl == "npu" else 0.1  # torch_npu takes no smoothing for logits that require grad
+    loss = run(impl, x, t.to(device), smoothing, 0.0, reduction)
     loss.sum().backward()
     assert torch.equal(loss.detach().cpu(), torch.zeros(loss.shape))  # F.cross_entropy's mean would be NaN
     assert torch.equal(x.grad.cpu(), torch.zeros(5, 1000))
@@ -151,6 +153,7 @@ def test_public_function_three_dims_and_module(device):
 def test_npu_uses_the_fused_operator(npu):
     from torchport.testing import npu_fused_ops
 
+    needs_fused(npu, "npu_cross_entropy_loss")
     x64, t = make(7, 1000, ignored="some")
     before = npu_fused_ops.calls["npu_cross_entropy_loss"]
     loss = torchport.kernels.cross_entropy(x64.float().to(npu), t.to(npu), label_smoothing=0.1)
@@ -217,3 +220,30 @@ def test_loss_dtype_float32_for_16_bit_logits(reduction, device, impl):
     torch.testing.assert_close(public.double().cpu(), ref, rtol=tolerance, atol=tolerance)
     with pytest.raises(TypeError, match="loss_dtype=torch.int32 must be a floating dtype"):
         torchport.kernels.cross_entropy(x, t.to(device), loss_dtype=torch.int32)
+
+
+def test_npu_label_smoothing_in_training_takes_the_reference(npu):
+    """torch_npu.npu_cross_entropy_loss takes no label_smoothing for logits that require grad (with the "none"
+    reduction torchport uses; "mean" allows no option at all): the reference computes those, the operator the rest."""
+    from torchport.testing import npu_fused_ops
+
+    needs_fused(npu, "npu_cross_entropy_loss")
+    registry.refresh()  # each reason is warned once per process
+    x64, t = make(7, 1000, ignored="some")
+    ref_x = x64.clone().requires_grad_()
+    expected(ref_x, t, 0.1, 0.0, "mean").backward()
+    calls = npu_fused_ops.calls["npu_cross_entropy_loss"]
+    x = x64.float().to(npu).requires_grad_()
+    with pytest.warns(RuntimeWarning, match="takes no label_smoothing when the logits require grad"):
+        loss = torchport.kernels.cross_entropy(x, t.to(npu), label_smoothing=0.1)
+    loss.backward()
+    assert npu_fused_ops.calls["npu_cross_entropy_loss"] == calls
+    check_close("dlogits", x.grad, ref_x.grad, torch.float32)
+    with torch.no_grad():  # evaluation: the operator takes the smoothing
+        torchport.kernels.cross_entropy(x, t.to(npu), label_smoothing=0.1)
+    assert npu_fused_ops.calls["npu_cross_entropy_loss"] == calls + 1
+    safe = torch.where(t == IGNORE, 0, t).to(npu)
+    for reduction, options in (("sum", {"label_smoothing": 0.1}), ("none", {"label_smoothing": 0.1}),
+                               ("mean", {"ignore_index": 3})):
+        with pytest.raises(RuntimeError, match=f"reduction='{reduction}' takes only the default"):
+            npu_fused_ops.npu_cross_entropy_loss(x, safe, reduction=reduction, **options)

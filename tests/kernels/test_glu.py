@@ -6,7 +6,7 @@ import torch
 import torchport
 from torchport.kernels.glu import geglu_reference, swiglu_reference
 
-from kernel_cases import call, check_close, gradients, leaf
+from kernel_cases import call, check_close, gradients, leaf, on_chip
 
 SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
 REFERENCES = {"swiglu": swiglu_reference, "geglu": geglu_reference}
@@ -85,3 +85,22 @@ def test_modules_and_bad_input(device):
         torchport.kernels.geglu(gate, up.half())
     with pytest.raises(TypeError, match="gate has dtype torch.int64"):
         torchport.kernels.swiglu(gate.long(), up)
+
+
+def test_npu_swiglu_of_any_shape(npu):
+    """torch_npu.npu_swiglu takes a contiguous, non-empty input of 1 to 8 dims: a scalar or 9-D pair goes as rows,
+    an empty one needs no kernel."""
+    from torchport.testing import npu_fused_ops
+
+    with on_chip("Ascend910B3"):
+        for shape in [(), (1, 1, 1, 1, 1, 1, 1, 2, 6)]:
+            gate, up = torch.randn(shape), torch.randn(shape)
+            calls = npu_fused_ops.calls["npu_swiglu"]
+            out = torchport.kernels.swiglu(gate.to(npu), up.to(npu))
+            assert out.shape == shape and npu_fused_ops.calls["npu_swiglu"] == calls + 1
+            check_close("out", out, swiglu_reference(gate.double(), up.double()), torch.float32)
+        calls = npu_fused_ops.calls["npu_swiglu"]
+        empty = torch.empty(0, 4).to(npu)
+        assert torchport.kernels.swiglu(empty, empty).shape == (0, 4) and npu_fused_ops.calls["npu_swiglu"] == calls
+        with pytest.raises(RuntimeError, match="contiguous, non-empty"):
+            npu_fused_ops.npu_swiglu(torch.empty(0, 8).to(npu))

@@ -100,7 +100,8 @@ def test_registration_rules():
 def test_npu_uses_torch_npu_fused_operators(npu, fresh_registry):
     x, w = torch.randn(2, 5, 32, device=npu), torch.randn(32, device=npu)
     q, k = torch.randn(1, 2, 5, 8, device=npu), torch.randn(1, 1, 5, 8, device=npu)
-    cos, sin = torch.randn(1, 5, 8, device=npu), torch.randn(1, 5, 8, device=npu)
+    angles = torch.randn(1, 5, 8)
+    cos, sin = angles.cos().to(npu), angles.sin().to(npu)  # torch_npu takes them within [-1, 1]
     before = dict(npu_fused_ops.calls)
     torchport.kernels.rms_norm(x, w)
     torchport.kernels.rope(q, k, cos, sin)

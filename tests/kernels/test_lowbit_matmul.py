@@ -11,7 +11,7 @@ from torchport.kernels.lowbit_matmul import lowbit_linear
 from torchport.quant.formats import get_format
 from torchport.testing import npu_fused_ops
 
-from kernel_cases import call, check_close, forced
+from kernel_cases import call, check_close, forced, needs_dtype, needs_fused, on_chip
 
 FORMATS = ["int8", "fp8", "int4", "mxfp4", "nvfp4"]
 # (rows, out_features, in_features): one row (the batch-1 decode kernel), a few rows (the tensor-core decode
@@ -78,6 +78,7 @@ def test_backward_against_float64(fmt, device, dtype):
 def test_int4_group_sizes(group, device, impl):
     """Several groups per K block and blocks inside one group; leading dimensions of the input kept."""
     _skip(impl, "int4", torch.bfloat16)
+    needs_dtype(device, torch.bfloat16)
     spec, group, t, x64, bias64, dense = _case("int4", 6, 24, 512, device, torch.bfloat16, group)
     x = x64.reshape(2, 3, 512).to(device, torch.bfloat16)
     for rows in (x[:1, :1], x):
@@ -128,6 +129,8 @@ def test_triton_declines_groups_its_tiles_cannot_take(device):
 
 
 def test_npu_repacks_int4_once_per_weight(npu):
+    needs_dtype(npu, torch.bfloat16)
+    needs_fused(npu, "npu_convert_weight_to_int4pack")
     spec = get_format("int4")
     t = {n: v.to(npu) for n, v in spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64).items()}
     x = torch.randn(3, 128, dtype=torch.bfloat16).to(npu)
@@ -177,6 +180,8 @@ def test_triton_decodes_every_code_exactly(device):
 
 def test_npu_repacks_after_the_weights_change_in_place(npu):
     """A state-dict load copies new codes into the same storage: the cached repacked weight must not outlive them."""
+    needs_dtype(npu, torch.bfloat16)
+    needs_fused(npu, "npu_convert_weight_to_int4pack")
     spec = get_format("int4")
     first = spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64)
     second = spec.quantize(torch.randn(16, 128, dtype=torch.bfloat16), 64)
@@ -189,3 +194,51 @@ def test_npu_repacks_after_the_weights_change_in_place(npu):
             t[name].copy_(value.to(npu))
         y = lowbit_linear(x, t, "int4", 64, None, dequantize=spec.dequantize, cache=cache)
     check_close("y", y, x.cpu().double() @ spec.dequantize(second, torch.float64).T, torch.bfloat16)
+
+
+def test_npu_layers_outside_the_operator_take_the_reference_alone(npu):
+    """npu_weight_quant_batchmatmul takes K and N within [1, 65535] and int4 groups of 32·j within [32, K - 1]: a
+    layer outside that (a 128256-word LM head, groups of 100) takes the reference with one warning, while the other
+    layers keep the operator, and nothing is marked broken."""
+    from torchport.kernels import registry
+
+    needs_dtype(npu, torch.bfloat16)
+    registry.refresh()
+    calls = npu_fused_ops.calls["npu_weight_quant_batchmatmul"]
+    x = torch.randn(2, 200, dtype=torch.bfloat16)
+    int4 = get_format("int4")
+    odd = {n: v.to(npu) for n, v in int4.quantize(torch.randn(16, 200, dtype=torch.bfloat16), 100).items()}
+    with pytest.warns(RuntimeWarning, match="takes groups of a multiple of 32 inputs .at least 32., not 100"):
+        y = lowbit_linear(x.to(npu), odd, "int4", 100, None, dequantize=int4.dequantize)
+    check_close("y", y, x.double() @ int4.dequantize({n: v.cpu() for n, v in odd.items()}, torch.float64).T,
+                torch.bfloat16)
+    int8 = get_format("int8")
+    head = {n: v.to(npu) for n, v in int8.quantize(torch.randn(65536, 32, dtype=torch.bfloat16), 32).items()}
+    with pytest.warns(RuntimeWarning, match=r"takes in and out features within \[1, 65535\], not 32 and 65536"):
+        y = lowbit_linear(torch.randn(1, 32, dtype=torch.bfloat16).to(npu), head, "int8", 32, None,
+                          dequantize=int8.dequantize)
+    assert y.shape == (1, 65536) and npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls
+    fine = {n: v.to(npu) for n, v in int4.quantize(torch.randn(16, 256, dtype=torch.bfloat16), 64).items()}
+    lowbit_linear(torch.randn(2, 256, dtype=torch.bfloat16).to(npu), fine, "int4", 64, None,
+                  dequantize=int4.dequantize)
+    assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls + 1 and not registry._broken
+    with pytest.raises(RuntimeError, match=r"antiquant_group_size must be 0 or a multiple of 32 within \[32, K - 1"):
+        npu_fused_ops.npu_weight_quant_batchmatmul(
+            x.to(npu), torch.zeros(200, 16, dtype=torch.int8).to(npu), torch.ones(2, 16, dtype=torch.bfloat16).to(npu),
+            antiquant_group_size=100)
+
+
+def test_npu_310p_runs_int8_in_fp16_only(npu):
+    int8, int4 = get_format("int8"), get_format("int4")
+    w8 = {n: v.to(npu) for n, v in int8.quantize(torch.randn(16, 64), 64).items()}
+    w4 = {n: v.to(npu) for n, v in int4.quantize(torch.randn(16, 64, dtype=torch.float16), 32).items()}
+    x = torch.randn(2, 64, dtype=torch.float16)
+    with on_chip("Ascend310P3"):
+        calls = npu_fused_ops.calls["npu_weight_quant_batchmatmul"]
+        lowbit_linear(x.to(npu), w8, "int8", 64, None, dequantize=int8.dequantize)
+        assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls + 1
+        with pytest.warns(RuntimeWarning, match="takes no int4 weights on Ascend310P3"):
+            y = lowbit_linear(x.to(npu), w4, "int4", 32, None, dequantize=int4.dequantize)
+        check_close("y", y, x.double() @ int4.dequantize({n: v.cpu() for n, v in w4.items()}, torch.float64).T,
+                    torch.float16)
+        assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls + 1

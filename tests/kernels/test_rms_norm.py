@@ -6,7 +6,7 @@ import torch
 import torchport
 from torchport.kernels.rms_norm import rms_norm_reference
 
-from kernel_cases import call, check_close, gradients, leaf
+from kernel_cases import call, check_close, gradients, leaf, on_chip
 
 SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
 
@@ -96,3 +96,34 @@ def test_bad_input_names_shapes_and_dtypes(device):
 def test_tensors_on_different_devices(npu):
     with pytest.raises(ValueError, match=r"one device, got x on npu:0, weight on cpu"):
         torchport.kernels.rms_norm(torch.randn(2, 8, device=npu), torch.ones(8))
+
+
+def test_npu_takes_any_number_of_dims(npu):
+    """torch_npu.npu_rms_norm takes 2 to 8 dims: a 1-D or 9-D input goes to it as rows (and it refuses them as
+    they are)."""
+    from torchport.testing import npu_fused_ops
+
+    w = torch.randn(16)
+    for shape in [(16,), (1, 1, 1, 1, 1, 1, 1, 2, 16)]:
+        x = torch.randn(shape)
+        calls = npu_fused_ops.calls["npu_rms_norm"]
+        y = torchport.kernels.rms_norm(x.to(npu), w.to(npu))
+        assert npu_fused_ops.calls["npu_rms_norm"] == calls + 1 and y.shape == shape
+        check_close("y", y, rms_norm_reference(x.double(), w.double(), 1e-6), torch.float32)
+        with pytest.raises(RuntimeError, match="self must have 2 to 8 dims"):
+            npu_fused_ops.npu_rms_norm(x.to(npu), w.to(npu))
+
+
+def test_npu_rows_of_fewer_than_32_bytes_take_the_reference_on_a_310p(npu):
+    from torchport.testing import npu_fused_ops
+
+    x, w = torch.randn(3, 8, dtype=torch.float16), torch.randn(8, dtype=torch.float16)
+    with on_chip("Ascend310P3"):
+        calls = npu_fused_ops.calls["npu_rms_norm"]
+        with pytest.warns(RuntimeWarning, match=r"npu_rms_norm on Ascend310P3 takes rows of at least 32 bytes, not "
+                                                r"8 x torch.float16"):
+            y = torchport.kernels.rms_norm(x.to(npu), w.to(npu))
+        assert npu_fused_ops.calls["npu_rms_norm"] == calls
+        check_close("y", y, rms_norm_reference(x.double(), w.double(), 1e-6), torch.float16)
+        torchport.kernels.rms_norm(torch.randn(3, 16, dtype=torch.float16).to(npu), torch.ones(16).half().to(npu))
+        assert npu_fused_ops.calls["npu_rms_norm"] == calls + 1  # 32 bytes: fused

@@ -6,7 +6,7 @@ import torch
 import torchport
 from torchport.kernels.rope import rope_reference
 
-from kernel_cases import call, check_close, gradients, leaf
+from kernel_cases import call, check_close, gradients, leaf, on_chip
 
 # (batch, q heads, kv heads, seq, head_dim)
 SHAPES = [(1, 1, 1, 1, 2), (2, 3, 1, 5, 6), (2, 5, 2, 7, 128), (1, 4, 4, 3, 80)]
@@ -96,3 +96,50 @@ def test_gradient_for_cos_sin_falls_back_to_the_reference(device):
         out_q, _ = torchport.kernels.rope(q, k, cos, torch.randn(1, 3, 8, device=device))
     out_q.sum().backward()
     assert cos.grad is not None
+
+
+def _angles(batch: int, seq: int, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    cos, sin = _cos_sin(batch, seq, dim, torch.Generator().manual_seed(9))
+    return cos.float(), sin.float()
+
+
+def test_npu_scaled_cos_sin_take_the_reference(npu):
+    """YaRN and LongRoPE multiply cos/sin by an attention scaling above 1; torch_npu.npu_rotary_mul takes them
+    within [-1, 1] only: those calls take the reference (one warning), the others stay fused."""
+    from torchport.kernels import registry
+    from torchport.testing import npu_fused_ops
+
+    registry.refresh()  # each reason is warned once per process
+    q, k = torch.randn(1, 2, 5, 8), torch.randn(1, 1, 5, 8)
+    cos, sin = _angles(1, 5, 8)
+    scaled = (cos * 1.2, sin * 1.2)
+    with on_chip("Ascend910B3"):
+        calls = npu_fused_ops.calls["npu_rotary_mul"]
+        torchport.kernels.rope(q.to(npu), k.to(npu), cos.to(npu), sin.to(npu))
+        assert npu_fused_ops.calls["npu_rotary_mul"] == calls + 2
+        with pytest.warns(RuntimeWarning, match=r"npu_rotary_mul takes cos/sin within \[-1, 1\]; these exceed it"):
+            out = torchport.kernels.rope(q.to(npu), k.to(npu), scaled[0].to(npu), scaled[1].to(npu))
+        assert npu_fused_ops.calls["npu_rotary_mul"] == calls + 2
+        with pytest.raises(RuntimeError, match=r"r1 must lie in \[-1.0, 1.0\]"):
+            npu_fused_ops.npu_rotary_mul(q.to(npu), scaled[0].unsqueeze(1).to(npu), scaled[1].unsqueeze(1).to(npu))
+    for got, want in zip(out, rope_reference(q.double(), k.double(), scaled[0].double(), scaled[1].double())):
+        check_close("rotated", got, want, torch.float32)
+
+
+def test_npu_head_dims_beyond_the_operator_take_the_reference(npu):
+    from torchport.kernels import registry
+    from torchport.testing import npu_fused_ops
+
+    registry.refresh()  # each reason is warned once per process
+    calls = npu_fused_ops.calls["npu_rotary_mul"]
+    q = torch.randn(1, 1, 2, 896)
+    cos, sin = _angles(1, 2, 896)
+    with pytest.warns(RuntimeWarning, match="npu_rotary_mul takes head_dim below 896, not 896"):
+        out, _ = torchport.kernels.rope(q.to(npu), q.to(npu), cos.to(npu), sin.to(npu))
+    check_close("q", out, rope_reference(q.double(), q.double(), cos.double(), sin.double())[0], torch.float32)
+    with on_chip("Ascend910A"):  # its compiled kernel: head_dim 128, cos/sin of batch 1
+        q, k = torch.randn(2, 2, 3, 64), torch.randn(2, 2, 3, 128)
+        with pytest.warns(RuntimeWarning, match="npu_rotary_mul on Ascend910A takes head_dim 128"):
+            torchport.kernels.rope(q.to(npu), q.to(npu), *(t.to(npu) for t in _angles(1, 3, 64)))
+        torchport.kernels.rope(k.to(npu), k.to(npu), *(t.to(npu) for t in _angles(1, 3, 128)))
+    assert npu_fused_ops.calls["npu_rotary_mul"] == calls + 2
