@@ -96,6 +96,11 @@ def test_torch_npu_reports_the_chip(npu: torch.device, soc: str) -> None:
         assert torch.npu.get_device_capability(0) is None
 
 
+def test_the_soc_version_of_a_hyphenated_chip_is_whole(npu: torch.device) -> None:
+    with simulated_chip("Ascend910B4-1"):
+        assert torch.npu.get_device_name() == get_backend("npu").soc_version(0) == "Ascend910B4-1"
+
+
 def test_a_chip_without_bf16_copies_but_does_not_compute_in_it(npu: torch.device) -> None:
     with simulated_chip("Ascend310P3"):
         x = torch.ones(2, 3).to(npu, torch.bfloat16)

@@ -365,6 +365,10 @@ class NpuBackend(Backend):
         return [("CANNExecutionProvider", chosen), ("CPUExecutionProvider", {})]
 
     def soc_version(self, index: int) -> str | None:
-        # torch_npu reports the chip as ATC names it ("Ascend910B1", "Ascend310P3", "Ascend910_9392").
+        # torch_npu reports the chip as ATC names it ("Ascend910B1", "Ascend310P3", "Ascend910_9392", and with a
+        # hyphen "Ascend910B4-1", which a known chip's profile keeps whole).
+        chip = self.chip(index)
+        if chip is not None:
+            return chip.soc_version
         match = re.match(r"Ascend[0-9A-Za-z_]+", self.device_name(index).strip())
         return match.group(0) if match else None
