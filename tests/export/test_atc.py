@@ -64,8 +64,9 @@ def test_opsets_atc_reads_are_accepted(opset: int) -> None:
 
 
 def test_soc_version_from_the_npu(npu) -> None:
-    assert export.soc_version(device=npu) == "Ascend910B"  # the simulated chip is named "Ascend910B (simulated)"
+    assert export.soc_version(device=npu) == "Ascend910B3"  # the chip simulated by default
     assert export.soc_version("Ascend310P3", device=npu) == "Ascend310P3"
+    assert export.soc_version("Ascend910B4-1", device=npu) == "Ascend910B4-1"
 
 
 def test_soc_version_unknown_on_a_cpu() -> None:

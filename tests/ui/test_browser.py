@@ -139,7 +139,7 @@ def test_devices_doctor_and_a_migration_in_the_browser(browser: Any, dashboard: 
     _wait(browser, lambda: "npu:0" in _text(browser, "devices-table") and "cpu" in _text(browser, "devices-table"),
           "the devices table lists npu:0 and cpu", tmp_path)
     table = _text(browser, "devices-table")
-    assert "Ascend910B (simulated)" in table and "64.00 GiB" in table
+    assert "Ascend910B3 (simulated)" in table and "64.00 GiB" in table
     assert "Host RAM" in _text(browser, "devices-host")
 
     # Doctor: every check passes on cpu and the simulated npu

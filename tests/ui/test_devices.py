@@ -32,7 +32,7 @@ def test_rows_list_every_device_with_memory_in_use(npu: torch.device) -> None:
         entry = snapshot["devices"][row["device"]]
         assert row["total"] == entry["total"] and row["used"] == entry["total"] - entry["free"]
         assert 0 <= row["used_pct"] <= 100
-    assert by_name["npu:0"]["name"] == get_backend("npu").device_name(0)
+    assert by_name["npu:0"]["name"] == get_backend("npu").device_name(0) + " (simulated)"
     assert by_name["cpu"]["allocated"] is None  # PyTorch counts no CPU tensor bytes
 
 

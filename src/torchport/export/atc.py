@@ -36,7 +36,7 @@ PRECISION_MODES = ("force_fp32", "cube_fp16in_fp32out", "force_fp16", "allow_fp3
                    "allow_fp32_to_bf16")
 SOC_EXAMPLES = ("Ascend910B1", "Ascend910B3", "Ascend310P3", "Ascend310B1")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
-_SOC = re.compile(r"^Ascend[0-9][0-9A-Za-z_]*$")
+_SOC = re.compile(r"^Ascend[0-9][0-9A-Za-z_]*(-[0-9A-Za-z_]+)?$")  # Ascend910B4-1, Ascend910_9391
 _SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 
 

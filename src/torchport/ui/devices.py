@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from ..backends import get_backend
+from ..bench.timing import is_simulated
 from ..device import devices
 from ..info import info
 from ..memory import memory
@@ -42,7 +43,9 @@ def format_bytes(n: int | None) -> str:
 @functools.lru_cache(maxsize=None)
 def _name(device: str) -> str:
     dev = torch.device(device)
-    return get_backend(dev.type).device_name(dev.index or 0)
+    backend = get_backend(dev.type)
+    name = backend.device_name(dev.index or 0)
+    return f"{name} (simulated)" if is_simulated(backend) else name
 
 
 def machine() -> dict[str, Any]:
