@@ -251,7 +251,7 @@ def vendor_operator(impl: registry.Implementation) -> str | None:
 
 def _kernel_rows(chip: ChipProfile) -> list[KernelRow]:
     rows = []
-    for kernel, names in registry.list_kernels().items():
+    for kernel, names in sorted(registry.list_kernels().items()):
         serving = [registry.implementation(kernel, name) for name in names]
         rows.append(_kernel_row(kernel, [impl for impl in serving if impl.serves(NpuBackend.name)], chip))
     rows.extend(_attention_rows(chip))
