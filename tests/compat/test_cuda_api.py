@@ -78,7 +78,8 @@ def test_an_unset_multi_processor_count_is_the_vector_cores(sim_npu: torch.devic
 
 
 def test_properties_that_already_answer_pass_through(monkeypatch) -> None:
-    cuda_like = collections.namedtuple("Props", "name total_memory major minor multi_processor_count")("GPU", 1, 9, 0, 132)
+    fields = "name total_memory major minor multi_processor_count"
+    cuda_like = collections.namedtuple("Props", fields)("GPU", 1, 9, 0, 132)
     from torchport.compat.cuda_api import _cuda_like
 
     assert _cuda_like(cuda_like) and not _cuda_like(cuda_like._replace(major=None))
