@@ -135,3 +135,16 @@ def test_chip_usage_errors_are_one_line(capsys, args: list[str], message: str) -
 def test_soc_with_a_target_on_another_device_is_a_usage_error(targets: Path, capsys) -> None:
     assert main(["coverage", f"{targets}:mlp", "--device", "cpu", "--soc", "Ascend910B3"]) == 2
     assert "only --device npu has" in capsys.readouterr().err
+
+
+def test_planning_for_a_chip_on_a_machine_with_no_npu(run_python) -> None:
+    # a fresh process without TORCHPORT_SIMULATE: no NPU, no torch_npu, only torchport's snapshots
+    result = run_python("-m", "torchport", "coverage", "--device", "npu", "--soc", "Ascend310P3", "--json",
+                        cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    chip = json.loads(result.stdout)["chip"]
+    assert chip["device"] is None and chip["aten"]["host_fallback"] is True
+    assert chip["aten"]["source"].startswith("snapshot torch_npu_ops-") and "own kernels" in chip["aten"]["source"]
+    assert {row["kernel"]: row["implementation"] for row in chip["kernels"]}["swiglu"] == "reference"
+    result = run_python("-m", "torchport", "coverage", "--device", "npu", cwd=Path(__file__).parents[2])
+    assert result.returncode == 2 and "no Ascend NPU here to report on: name a chip (--soc)" in result.stderr

@@ -234,7 +234,9 @@ def chip_coverage(soc: str | ChipProfile | None = None) -> ChipCoverage:
         device = str(backend.device(0)) + (" (simulated)" if backend.versions().get("simulated") else "")
     from .op_coverage import target_source
 
-    source = target_source(backend)
+    source, listed = target_source(backend)
+    if listed is not None:
+        source = f"{source}: {listed} operator overloads with torch_npu's own kernels"
     contract = torch_npu_contract()
     return ChipCoverage(chip, device, _kernel_rows(chip), {op: op in chip.ops for op in contract}, source,
                         bool(backend.host_fallback))

@@ -299,14 +299,17 @@ class _Target:
         return [] if self.chip is None else [d for d in self.chip.lacks_dtypes if d in dtypes]
 
 
-def target_source(backend: Backend) -> str:
+def target_source(backend: Backend) -> tuple[str, int | None]:
     """What says which aten operators ``backend``'s device runs: ``"dispatcher (...)"`` where its library is loaded,
-    else ``"snapshot <file> (<version>)"``.
+    else ``"snapshot <file> (<version>)"``; with the number of operator overloads the snapshot lists (None for the
+    dispatcher).
 
     Raises:
         ValueError: neither can (the library is not loaded and torchport ships no list for it).
     """
-    return _Target(backend).source
+    target = _Target(backend)
+    listed = _snapshot(backend.op_snapshot)[0] if target.source.startswith("snapshot") else None
+    return target.source, None if listed is None else len(listed)
 
 
 @functools.lru_cache(maxsize=None)
