@@ -101,6 +101,8 @@ def run_checks(device: str | None = None) -> list[Check]:
         label = str(backend.device(index))
         checks.append(_run("device", label, functools.partial(_check_device, backend, index)))
         checks.append(_run("dtypes", label, functools.partial(_check_dtypes, backend, index)))
+        if hasattr(backend, "chip"):  # a backend that knows its device's chips (Ascend)
+            checks.append(_run("chip", label, functools.partial(_check_chip, backend, index)))
         for name, (make_inputs, compute) in _SMOKE_TESTS.items():
             checks.append(_run(name, label, functools.partial(_compare, name, backend, index, make_inputs, compute)))
         checks.append(_run("memory", label, functools.partial(_check_memory, backend, index)))
@@ -202,6 +204,26 @@ def _check_dtypes(backend: Backend, index: int) -> Outcome:
     if not probes[torch.float32].works:
         return False, f"float32 must work and does not; {'; '.join(parts)}", data
     return True, f"{'; '.join(parts)}; preferred {preferred}", data
+
+
+def _check_chip(backend: Backend, index: int) -> Outcome:
+    """What this chip runs of torchport: the kernels on a fused vendor operator, those on PyTorch operators (the
+    chip lacks the operator, or there is none), and its dtypes; ``torchport coverage --device npu`` has the rest."""
+    from .compile.chip_coverage import chip_coverage
+
+    chip = backend.chip(index)  # type: ignore[attr-defined]
+    if chip is None:
+        name = backend.device_name(index)
+        return True, (f"{name}: not a chip torchport has a profile of; fused operators are tried and a failing one "
+                      f"falls back to the reference"), {"soc": name, "known": False}
+    report = chip_coverage(chip)
+    fused = [f"{row.kernel} ({row.operator})" for row in report.kernels if row.fused]
+    lacking = [f"{row.kernel} -> {row.implementation} (no {row.operator})" for row in report.kernels
+               if not row.fused and row.operator]
+    dtypes = ", ".join(name if ok else f"no {name}" for name, ok in report.dtypes().items())
+    detail = (f"{chip.soc_version} ({chip.family}); {dtypes}; fused: {', '.join(fused) or 'none'}; not on this chip: "
+              f"{', '.join(lacking) or 'none'}; torchport coverage --device {backend.name} lists the limits")
+    return True, detail, report.to_dict()
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

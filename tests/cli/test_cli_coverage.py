@@ -74,3 +74,77 @@ def test_a_target_that_is_not_a_factory_is_a_usage_error(targets: Path, capsys) 
     with pytest.raises(SystemExit) as exited:  # --device is required
         main(["coverage", f"{targets}:mlp"])
     assert exited.value.code == 2
+
+
+# -- an Ascend chip (--soc) ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("soc", "fused", "not_fused", "bf16"), [
+    ("Ascend910B3", ["npu_swiglu", "npu_cross_entropy_loss", "npu_fusion_attention"], [], "bfloat16 yes"),
+    ("Ascend310P3", ["npu_rms_norm", "npu_weight_quant_batchmatmul"], ["swiglu", "cross_entropy"], "bfloat16 no"),
+    ("Ascend910A", ["npu_rms_norm", "npu_rotary_mul"], ["swiglu", "lowbit_matmul"], "bfloat16 no"),
+])
+def test_a_chip_report_without_a_model(capsys, soc: str, fused: list[str], not_fused: list[str], bf16: str) -> None:
+    assert main(["coverage", "--device", "npu", "--soc", soc]) == 0
+    out = capsys.readouterr().out
+    assert f"torchport kernels on {soc}" in out and bf16 in out and "TORCH_NPU_FALLBACK_CPU_DISABLE" in out
+    assert main(["coverage", "--device", "npu", "--soc", soc, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["device"] == "npu" and data["chip"]["soc"] == soc
+    rows = {row["kernel"]: row for row in data["chip"]["kernels"]}
+    assert {row["operator"] for row in rows.values() if row["fused"]} >= set(fused)
+    assert all(not rows[kernel]["fused"] and rows[kernel]["implementation"] == "reference" for kernel in not_fused)
+    assert data["chip"]["dtypes"]["bfloat16"] is (bf16 == "bfloat16 yes")
+
+
+def test_a_model_in_bfloat16_on_a_chip_without_it_exits_one(targets: Path, capsys) -> None:
+    args = ["coverage", f"{targets}:mlp", "--device", "npu", "--dtype", "bfloat16", "--json"]
+    assert main([*args, "--soc", "Ascend310P3"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert data["chip"]["soc"] == "Ascend310P3" and "bfloat16" in data["dtypes"]
+    missing = [row for row in data["rows"] if row["status"] == "missing"]
+    assert {"aten::addmm", "aten::gelu"} <= {row["op"] for row in missing}
+    assert {row["note"] for row in missing} == {"computes in bfloat16, which Ascend310P3 lacks"}
+    assert main([*args, "--soc", "Ascend910B1"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["summary"]["missing"] == 0 and data["chip"]["family"] == "A2"
+    assert main(["coverage", f"{targets}:mlp", "--device", "npu", "--soc", "Ascend910A"]) == 0  # fp32: runs
+    assert "torchport kernels on Ascend910A" in capsys.readouterr().out
+
+
+def test_the_simulated_chip_is_the_default(capsys, npu: torch.device) -> None:
+    from torchport.testing import is_simulating, simulated_chip
+
+    if not is_simulating():
+        pytest.skip("changes the simulated chip; this NPU is a real one")
+    with simulated_chip("Ascend310P3"):
+        assert main(["coverage", "--device", "npu", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)["chip"]
+    assert (data["soc"], data["device"]) == ("Ascend310P3", "npu:0 (simulated)")
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--device", "npu", "--soc", "Ascend999"], "'Ascend999' is not an Ascend chip torchport knows; known: Ascend910A"),
+    (["--device", "cpu", "--soc", "Ascend310P3"], "--soc names an Ascend chip, which only --device npu has"),
+    (["--device", "cpu"], "TARGET is required with --device cpu"),
+])
+def test_chip_usage_errors_are_one_line(capsys, args: list[str], message: str) -> None:
+    assert main(["coverage", *args]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("torchport coverage: error:") and message in err and "\n" not in err
+
+
+def test_soc_with_a_target_on_another_device_is_a_usage_error(targets: Path, capsys) -> None:
+    assert main(["coverage", f"{targets}:mlp", "--device", "cpu", "--soc", "Ascend910B3"]) == 2
+    assert "only --device npu has" in capsys.readouterr().err
+
+
+def test_planning_for_a_chip_on_a_machine_with_no_npu(run_python) -> None:
+    # a fresh process without TORCHPORT_SIMULATE: no NPU, no torch_npu, only torchport's snapshots
+    result = run_python("-m", "torchport", "coverage", "--device", "npu", "--soc", "Ascend310P3", "--json",
+                        cwd=Path(__file__).parents[2])
+    assert result.returncode == 0, result.stderr
+    chip = json.loads(result.stdout)["chip"]
+    assert chip["device"] is None and chip["aten"]["host_fallback"] is True
+    assert chip["aten"]["source"].startswith("snapshot torch_npu_ops-") and "own kernels" in chip["aten"]["source"]
+    assert {row["kernel"]: row["implementation"] for row in chip["kernels"]}["swiglu"] == "reference"
+    result = run_python("-m", "torchport", "coverage", "--device", "npu", cwd=Path(__file__).parents[2])
+    assert result.returncode == 2 and "no Ascend NPU here to report on: name a chip (--soc)" in result.stderr

@@ -90,6 +90,25 @@ def test_every_device_passes(device: torch.device) -> None:
     assert exit_code(checks) == 0
 
 
+@pytest.mark.parametrize(("soc", "expected", "absent"), [
+    ("Ascend910B3", ["float32, float16, bfloat16", "swiglu (npu_swiglu)", "attention (npu_fusion_attention)",
+                     "not on this chip: none"], []),
+    ("Ascend310P3", ["no bfloat16", "rms_norm (npu_rms_norm)", "swiglu -> reference (no npu_swiglu)",
+                     "attention -> sdpa (no npu_fusion_attention)"], ["swiglu (npu_swiglu)"]),
+])
+def test_an_npu_chip_is_checked(npu: torch.device, soc: str, expected: list[str], absent: list[str]) -> None:
+    from torchport.testing import is_simulating, simulated_chip
+
+    if not is_simulating():
+        pytest.skip("changes the simulated chip; this NPU is a real one")
+    with simulated_chip(soc):
+        chip = _by_name(run_checks("npu"), "npu:0")["chip"]
+    assert chip.ok and chip.detail.startswith(f"{soc} (")
+    assert all(text in chip.detail for text in expected) and not any(text in chip.detail for text in absent)
+    assert chip.data["soc"] == soc and chip.data["device"] == "npu:0 (simulated)"
+    assert "chip" not in _by_name(run_checks("cpu"), "cpu")  # a device without chip profiles has no such check
+
+
 def _uninstall(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
     """Make package metadata say that the distributions ``names`` are not installed."""
     from torchport import doctor

@@ -283,6 +283,17 @@ class NpuBackend(Backend):
             return None
         return getattr(importlib.import_module("torch_npu"), name, None)
 
+    def properties(self, index: int) -> dict[str, Any]:
+        # torch_npu's 26.x releases set multi_processor_count to vector_core_num, else cube_core_num; its 7.3.0
+        # releases declare the field and leave it None (Ascend/pytorch torch_npu/csrc/npu/Module.cpp, master
+        # 9e73e708 and v2.6.0-7.3.0 0db038ca): the same rule fills it here. major and minor stay unset (None there).
+        props = super().properties(index)
+        if not props.get("multi_processor_count"):
+            cores = props.get("vector_core_num") or props.get("cube_core_num")
+            if cores:
+                props["multi_processor_count"] = int(cores)
+        return props
+
     def chip(self, index: int) -> ChipProfile | None:
         """The profile of device ``index``'s chip, found by the name torch_npu reports; None for a chip torchport
         does not know (or no NPU)."""

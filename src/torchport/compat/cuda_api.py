@@ -6,14 +6,15 @@ import contextlib
 import functools
 import os
 import time
+import warnings
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from .redirect import Patcher, Target, asked_for_user, called_by_user
 
-__all__ = ["HostEvent", "HostStream", "install", "make_event", "make_stream"]
+__all__ = ["DeviceProperties", "HostEvent", "HostStream", "install", "make_event", "make_stream"]
 
 
 class HostEvent:
@@ -68,14 +69,40 @@ class HostStream:
 _HOST_STREAM = HostStream()
 
 
-class _DeviceProperties(NamedTuple):
-    """What CUDA code reads from get_device_properties(), for targets whose vendor object lacks it."""
+class DeviceProperties:
+    """What CUDA code reads from ``get_device_properties()``, for targets whose vendor object lacks it or leaves it
+    unset: ``name``, ``total_memory``, integer ``major``/``minor`` (the capability the shim's
+    ``get_device_capability`` answers: 8.0 where bfloat16 works, else 7.0) and ``multi_processor_count`` (the
+    compute units a persistent grid spreads over; on Ascend the vector cores). Every other attribute is the vendor
+    object's (``cube_core_num``, ``L2_cache_size``... on Ascend).
 
-    name: str
-    total_memory: int
-    major: int
-    minor: int
-    multi_processor_count: int
+    torch_npu's properties (``_NPUDeviceProperties``, Ascend/pytorch ``torch_npu/csrc/npu/Module.cpp`` at master
+    9e73e708, v2.6.0-7.3.0 0db038ca, v2.9.0-26.1.0 323a8176) declare ``major`` and ``minor`` but never set them, so
+    they read None and ``props.major >= 8`` raises TypeError; ``multi_processor_count`` is None on the 7.3.0
+    releases too.
+    """
+
+    __slots__ = ("_vendor", "name", "total_memory", "major", "minor", "multi_processor_count")
+
+    def __init__(self, vendor: Any, name: str, total_memory: int, major: int, minor: int,
+                 multi_processor_count: int) -> None:
+        self._vendor = vendor
+        self.name, self.total_memory = name, total_memory
+        self.major, self.minor, self.multi_processor_count = major, minor, multi_processor_count
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or self._vendor is None:
+            raise AttributeError(f"device properties have no attribute {name!r}")
+        return getattr(self._vendor, name)
+
+    def __repr__(self) -> str:
+        return (f"DeviceProperties(name={self.name!r}, total_memory={self.total_memory}, major={self.major}, "
+                f"minor={self.minor}, multi_processor_count={self.multi_processor_count})")
+
+
+def _cuda_like(props: Any) -> bool:
+    """Whether a vendor's properties already answer what CUDA code reads, as integers (CUDA's, ROCm's)."""
+    return all(isinstance(getattr(props, field, None), int) for field in ("major", "minor", "multi_processor_count"))
 
 
 def make_event(target: Target, device: Any = None, enable_timing: bool = False, **kwargs: Any) -> Any:
@@ -186,23 +213,29 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
 
     def get_device_properties(device: Any = None) -> Any:
         index = target.index(device)
-        vendor = getattr(backend.module(), "get_device_properties", None)
+        vendor = getattr(backend.module(), "get_device_properties", None) if not target.host else None
         props = vendor(index) if vendor is not None else None
-        if props is not None and hasattr(props, "major"):
+        if props is not None and _cuda_like(props):
             return props
-        info = backend.properties(index)
+        info = backend.properties(index)  # the backend fills multi_processor_count where the vendor leaves it unset
         major, minor = get_device_capability(index)
-        cores = int(getattr(props, "cube_core_num", 0) or info.get("logical_cores") or 1)
-        return _DeviceProperties(backend.device_name(index), int(info.get("total_memory") or 0), major, minor, cores)
+        cores = int(info.get("multi_processor_count") or info.get("logical_cores") or 1)
+        return DeviceProperties(props, str(info.get("name") or backend.device_name(index)),
+                                int(info.get("total_memory") or 0), major, minor, cores)
 
     def get_device_capability(device: Any = None) -> tuple[int, int]:
-        vendor = getattr(backend.module(), "get_device_capability", None)
+        vendor = getattr(backend.module(), "get_device_capability", None) if not target.host else None
         if vendor is not None:
-            with contextlib.suppress(Exception):
+            # torch_npu answers TORCH_NPU_DEVICE_CAPABILITY=major.minor where it is set, else None, warning on every
+            # call that an NPU has no CUDA capability: the answer below is the shim's, so its warning is not shown
+            with contextlib.suppress(Exception), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 answer = vendor(target.index(device))
-                if isinstance(answer, tuple) and len(answer) == 2:  # torch_npu may answer None
+                if isinstance(answer, tuple) and len(answer) == 2 and all(isinstance(v, int) for v in answer):
                     return answer
-        # No CUDA compute capability here: report the generation whose features the device has (8.0: bf16).
+        # No CUDA compute capability here: the generation whose features CUDA code tests for with "major >= 8"
+        # (bfloat16, TF32-class matmuls) where the device computes in bfloat16, else 7.0 (fp16 matrix units, no
+        # bfloat16): Ascend 910B/910_93 answer 8.0, Ascend 910A and 310P 7.0. Never 9.0, so FP8 paths stay off.
         return (8, 0) if backend.dtype_works(torch.bfloat16, target.index(device)) else (7, 0)
 
     redirect("get_device_properties", get_device_properties)

@@ -18,6 +18,11 @@ Where the device's library is loaded, the dispatcher answers (:meth:`torchport.b
 Where it is not, the backend's shipped operator list does (for Ascend: ``data/torch_npu_ops-<release>.txt``, torch_npu's
 operator registration list of a named release; its header says what it covers and what not).
 
+On an Ascend NPU the chip matters too (``soc=``, or the chip of the NPU present): the report then carries
+:func:`torchport.compile.chip_coverage.chip_coverage`'s answer (each torchport kernel's torch_npu operator on that
+chip, its dtypes and limits), each ``torchport::`` row says what runs for it there, and an operator that computes in a
+dtype the chip lacks (bfloat16 on the 910A and 310P) is **missing**: it fails there.
+
 Recording on another device than the target: where PyTorch builds an operator from others, the recording device's
 choice is what gets recorded. Two cases are corrected, since they are where devices differ: an operator the target
 registers itself (torch_npu has ``scaled_dot_product_attention``) is recorded whole, in place of its parts and their
@@ -26,7 +31,7 @@ as the operator that picked it, which the target decomposes with its own choice.
 model (which branch its Python takes on the CPU) are recorded as the CPU takes them.
 
 Example:
-    >>> report = torchport.compile.coverage(model, inputs, "npu")
+    >>> report = torchport.compile.coverage(model, inputs, "npu", soc="Ascend310P3")
     >>> report.missing                # operators the NPU cannot run
     >>> report.print()                # a table; report.to_json() for machines
 """
@@ -47,6 +52,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..backends import Backend, get_backend
 from ..backends.base import op_support
@@ -65,8 +71,22 @@ _METADATA = frozenset({
     "aten::sym_stride", "aten::sym_numel", "aten::sym_storage_offset", "aten::is_contiguous",
     "aten::is_strides_like_format", "aten::is_non_overlapping_and_dense", "prim::device", "prim::layout",
 })
+# Operators that move or reinterpret data without computing in its dtype: a chip without bfloat16 kernels still
+# allocates, fills, copies and converts bfloat16 tensors (views never reach a kernel)
+_MOVES = frozenset({
+    "aten::_to_copy", "aten::copy_", "aten::_copy_from", "aten::_copy_from_and_resize", "aten::clone", "aten::fill_",
+    "aten::zero_", "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty",
+    "aten::new_empty_strided", "aten::lift_fresh", "aten::lift_fresh_copy", "aten::set_", "aten::resize_",
+    "aten::detach", "aten::_local_scalar_dense", "aten::new_zeros", "aten::zeros_like", "aten::ones_like",
+    "aten::full_like", "aten::new_ones", "aten::new_full",
+})
 _HOST_VARIANT = "_for_cpu"  # PyTorch's naming of the parts it picks for the CPU inside a composite operator
 _PARTS = "PyTorch's composite kernel: its parts are listed too"
+
+
+@functools.lru_cache(maxsize=None)
+def _returns_view(func: Any) -> bool:
+    return any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
 
 
 def _dispatcher_has(op: str, key: str) -> bool:
@@ -96,6 +116,8 @@ class Coverage:
     recorded_on: str
     backward: bool
     rows: list[OpRow]
+    dtypes: list[str] = dataclasses.field(default_factory=list)  # the floating dtypes operators computed in
+    chip: Any = None  # the chip_coverage.ChipCoverage of the target's chip, or None
 
     def ops(self, status: str) -> list[str]:
         """The operators (any phase) with ``status``, sorted.
@@ -119,11 +141,13 @@ class Coverage:
 
     def to_dict(self) -> dict[str, Any]:
         return {"device": self.device, "source": self.source, "recorded_on": self.recorded_on,
-                "backward": self.backward, "summary": self.summary(),
+                "backward": self.backward, "summary": self.summary(), "dtypes": list(self.dtypes),
+                "chip": None if self.chip is None else self.chip.to_dict(),
                 "rows": [dataclasses.asdict(row) for row in self.rows]}
 
     def to_json(self) -> str:
-        """The report as JSON: device, source, recorded_on, backward, summary and one object per row."""
+        """The report as JSON: device, source, recorded_on, backward, summary, dtypes, chip (None unless the target
+        is a known Ascend chip) and one object per row."""
         return json.dumps(self.to_dict(), indent=2)
 
     def table(self) -> Any:
@@ -141,13 +165,17 @@ class Coverage:
         return table
 
     def print(self, file: Any = None) -> None:
-        """Print :meth:`table` (stdout by default)."""
+        """Print :meth:`table`, then the chip's tables where there is a chip (stdout by default)."""
         from rich.console import Console
 
-        Console(file=file or sys.stdout, width=140).print(self.table())
+        console = Console(file=file or sys.stdout, width=140)
+        console.print(self.table())
+        for table in self.chip.tables() if self.chip is not None else ():
+            console.print(table)
 
 
-def coverage(model: torch.nn.Module, inputs: Any, device: str | torch.device, *, backward: bool = True) -> Coverage:
+def coverage(model: torch.nn.Module, inputs: Any, device: str | torch.device, *, backward: bool = True,
+             soc: str | None = None) -> Coverage:
     """Run ``model`` on ``inputs`` forward and backward, record the operators it runs, and mark each for ``device``.
 
     Args:
@@ -156,13 +184,15 @@ def coverage(model: torch.nn.Module, inputs: Any, device: str | torch.device, *,
         device: the target device type (``"npu"``, ``"cuda:1"``...); it need not be present.
         backward: also run the backward of the sum of the floating-point outputs (their gradients are discarded:
             the parameters' ``.grad`` are restored afterwards).
+        soc: for ``"npu"``, the Ascend chip to report on (``"Ascend310P3"``; any known chip, on any machine); None:
+            the chip of the NPU present (real or simulated), else no chip.
 
     Returns:
         A :class:`Coverage`: ``rows`` ordered missing first, ``missing``, ``to_json()``, ``print()``.
 
     Raises:
         ValueError: ``device`` is not a device type, or neither its library nor a shipped list can say which
-            operators it has.
+            operators it has; ``soc`` is not a known chip, or is given for a device type other than ``"npu"``.
         NotImplementedError: running on the device, an operator that neither the device nor the CPU has; the
             message says which and what to do.
 
@@ -177,7 +207,12 @@ def coverage(model: torch.nn.Module, inputs: Any, device: str | torch.device, *,
         from .._settings import parse_device_spec
 
         kind = parse_device_spec(device, "device")[0]
+    from .chip_coverage import chip_coverage, resolve_chip
+
     target = _Target(get_backend(kind, source="device"))
+    chip = resolve_chip(kind, soc)
+    if chip is not None:
+        target.chip = chip_coverage(chip)
     recorded_on = _where(model, inputs)
     recorder = _Recorder(target, recorded_on)
     saved = {p: p.grad for p in model.parameters()}
@@ -197,7 +232,8 @@ def coverage(model: torch.nn.Module, inputs: Any, device: str | torch.device, *,
     finally:
         for tensor, grad in saved.items():
             tensor.grad = grad
-    return Coverage(kind, target.source, recorded_on, ran_backward, recorder.rows())
+    dtypes = sorted({str(d).removeprefix("torch.") for found in recorder.dtypes.values() for d in found})
+    return Coverage(kind, target.source, recorded_on, ran_backward, recorder.rows(), dtypes, target.chip)
 
 
 def _where(model: torch.nn.Module, inputs: Any) -> str:
@@ -213,6 +249,7 @@ class _Target:
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
         self.host_fallback = backend.host_fallback
+        self.chip: Any = None  # the chip_coverage.ChipCoverage of the target's chip
         if backend.has_kernel(_ALLOCATOR_OP) is not None:
             self.has_kernel: Callable[[str], bool | None] = backend.has_kernel
             versions = ", ".join(f"{k} {v}" for k, v in backend.versions().items() if v)
@@ -229,7 +266,7 @@ class _Target:
     def status(self, op: str) -> tuple[str, str]:
         """(status, note) of ``op`` on the target."""
         if op.startswith("torchport::"):
-            return "torchport kernel", ""
+            return "torchport kernel", self._kernel_note(op)
         if op in registered(self.backend.name):
             return "cpu fallback", "torchport.compat.cpu_fallback"
         support = op_support(op, self.has_kernel, self.host_fallback)
@@ -238,6 +275,41 @@ class _Target:
         if support == "host":
             return "cpu fallback", f"{self.backend.name}'s library runs it on the CPU itself"
         return "missing", ""
+
+    def _kernel_note(self, op: str) -> str:
+        """What runs for torchport kernel ``op`` on the target's chip ("" without a chip)."""
+        if self.chip is None:
+            return ""
+        name = op.partition("::")[2]
+        kernel = name.removesuffix("_backward")
+        row = next((row for row in self.chip.kernels if row.kernel == kernel), None)
+        if row is None:
+            return ""
+        chip = self.chip.chip
+        if row.fused:
+            runs = f"torch_npu.{row.operator}"
+        elif row.operator:
+            runs = f"{row.implementation} (no {row.operator} on {chip.family})"
+        else:
+            runs = f"{row.implementation} (PyTorch operators)"
+        return f"{'backward through ' if name != kernel else ''}{runs} on {chip.soc_version}"
+
+    def lacks(self, dtypes: set[torch.dtype]) -> list[torch.dtype]:
+        """The dtypes of ``dtypes`` the target's chip does not compute in."""
+        return [] if self.chip is None else [d for d in self.chip.lacks_dtypes if d in dtypes]
+
+
+def target_source(backend: Backend) -> tuple[str, int | None]:
+    """What says which aten operators ``backend``'s device runs: ``"dispatcher (...)"`` where its library is loaded,
+    else ``"snapshot <file> (<version>)"``; with the number of operator overloads the snapshot lists (None for the
+    dispatcher).
+
+    Raises:
+        ValueError: neither can (the library is not loaded and torchport ships no list for it).
+    """
+    target = _Target(backend)
+    listed = _snapshot(backend.op_snapshot)[0] if target.source.startswith("snapshot") else None
+    return target.source, None if listed is None else len(listed)
 
 
 @functools.lru_cache(maxsize=None)
@@ -275,6 +347,7 @@ class _Recorder(TorchDispatchMode):
         self.saw_variant = False
         self.nodes: dict[Any, tuple[str, bool]] = {}  # autograd nodes made inside a composite -> (op, whole)
         self.counted: set[Any] = set()
+        self.dtypes: dict[tuple[str, str], set[torch.dtype]] = collections.defaultdict(set)  # what each computed in
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
@@ -283,6 +356,8 @@ class _Recorder(TorchDispatchMode):
             return func(*args, **kwargs)
         if name not in _METADATA:
             self._record(name)
+            if name.partition(".")[0] not in _MOVES and not _returns_view(func):
+                self.note_dtypes(name, self.phase, (args, kwargs))
         args = numbers_as_tensors(func, args)  # PyTorch hands a mode x * 3 as mul.Tensor(x, 3)
         try:
             if self._descend(func, name):  # run PyTorch's composite kernel with this mode on: its parts get recorded
@@ -306,6 +381,12 @@ class _Recorder(TorchDispatchMode):
                 self.counts[(missing, self.phase)] += 1
                 self.notes[(missing, self.phase)] = f"inside {name}"
             return call_on_cpu(func, self.target.backend.name, args, kwargs)  # so the run goes on
+
+    def note_dtypes(self, op: str, phase: str, arguments: Any) -> None:
+        """Remember the floating dtypes of the tensors ``op`` computes on."""
+        found = {x.dtype for x in tree_flatten(arguments)[0] if isinstance(x, torch.Tensor) and x.is_floating_point()}
+        if found:
+            self.dtypes[(op, phase)] |= found
 
     def _descend(self, func: Any, name: str) -> bool:
         """Whether ``name`` runs as PyTorch's composite kernel on the recording device, another than the target, and
@@ -370,6 +451,10 @@ class _Recorder(TorchDispatchMode):
             status, note = self.target.status(op)
             if (op, phase) in self.failed:
                 status, note = "missing", "failed when run on the device"
+            lacking = self.target.lacks(self.dtypes.get((op, phase), set()))
+            if lacking and status != "cpu fallback":
+                names = ", ".join(str(d).removeprefix("torch.") for d in lacking)
+                status, note = "missing", f"computes in {names}, which {self.target.chip.chip.soc_version} lacks"
             note = "; ".join(filter(None, [self.notes.get((op, phase)), note]))
             rows.append(OpRow(op, phase, calls, status, note))
         return sorted(rows, key=lambda row: (order[row.status], row.phase != "forward", row.op))
@@ -422,6 +507,7 @@ class _Composites(TorchFunctionMode):
         rec.inside, rec.whole, rec.saw_variant = op, whole, False
         if whole:
             rec.counts[(op, "forward")] += 1
+            rec.note_dtypes(op, "forward", (args, kwargs))
             rec.notes[(op, "forward")] = f"{rec.target.backend.name} runs it whole; its parts recorded here are left out"
         try:
             out = func(*args, **kwargs)

@@ -42,8 +42,9 @@ non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exa
 mean over the whole accumulated batch.
 
 Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torchport.kernels.triton.cross_entropy`),
-``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch: Ascend has no fused
-linear-cross-entropy operator), and the ``reference``: the full logits, then the cross-entropy in float32.
+``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch; torch_npu's vocabulary-parallel
+pieces, npu_fused_linear_online_max_sum and npu_fused_cross_entropy_loss_with_max_sum, are not used), and the
+``reference``: the full logits, then the cross-entropy in float32.
 ``chunked`` serves every other device in auto mode; ``TORCHPORT_KERNELS`` can force ``reference``, ``triton``
 (CUDA) or ``npu`` (Ascend), the modes every op shares.
 
@@ -477,7 +478,7 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
     return total.to(dtype)
 
 
-# On Ascend the same two passes serve as the "npu" implementation (there is no fused operator to call; module
+# On Ascend the same two passes serve as the "npu" implementation (it calls no torch_npu operator; module
 # docstring), so that TORCHPORT_KERNELS=npu also covers this op.
 @registry.register_kernel("fused_linear_cross_entropy", "npu", devices=["npu"], priority=15)
 @registry.register_kernel("fused_linear_cross_entropy", "chunked", priority=10)

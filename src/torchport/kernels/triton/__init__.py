@@ -21,17 +21,24 @@ from ...backends import get_backend
 __all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "rows_view"]
 
 
+_UNKNOWN_COUNT = 8  # compute units assumed where the device does not say
+
+
 @functools.lru_cache(maxsize=None)
 def _multiprocessor_count(device_type: str, index: int) -> int:
     try:
-        count = get_backend(device_type).properties(index).get("multi_processor_count")
-    except Exception:  # the CPU (Triton's interpreter) has no device properties
-        count = None
-    return int(count) if count else 8
+        props = get_backend(device_type).properties(index)
+    except Exception:  # a device module without properties
+        return _UNKNOWN_COUNT
+    # a vendor may declare the field and leave it None (torch_npu's 7.3.0 releases: the npu backend then counts the
+    # vector cores, as torch_npu's 26.x releases do); the host, where Triton's interpreter runs, has none
+    count = props.get("multi_processor_count")
+    return int(count) if isinstance(count, int) and count > 0 else _UNKNOWN_COUNT
 
 
 def multiprocessor_count(device: torch.device) -> int:
-    """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids; 8 when unknown."""
+    """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids: the properties'
+    ``multi_processor_count`` (an Ascend NPU's vector cores), else 8 (the host under Triton's interpreter)."""
     return _multiprocessor_count(device.type, device.index or 0)
 
 
