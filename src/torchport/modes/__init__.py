@@ -142,7 +142,7 @@ def enable(mode: str | None = None, model: nn.Module | None = None, *, device: D
             report = _enable_model(mode, model, present, example, budget, journal) if model is not None else \
                 _enable_process(mode, present, journal)
         except BaseException:
-            failures = journal.run()
+            failures = journal.restore()
             if failures:
                 logger.error("torchport.enable: undoing a failed enable left %d problem(s): %s", len(failures),
                              "; ".join(failures))
@@ -218,7 +218,7 @@ def disable() -> Report | None:
         if _active is None:
             return None
         current, _active = _active, None
-        failures = current.journal.run()
+        failures = current.journal.restore()
     if failures:
         raise RuntimeError(f"torchport.disable: {len(failures)} change(s) of {current.report.mode!r} mode could not "
                            f"be undone: {'; '.join(failures)}")

@@ -63,7 +63,7 @@ def step_from_pretrained(mode: str, device: torch.device, journal: Journal, repo
             _memory_on_load(model, device, report)
         return model
 
-    journal.set_attr(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
+    journal.set(PreTrainedModel, "from_pretrained", classmethod(from_pretrained))
     after = [f"dtype {dtype_name(dtype)} unless given" if dtype is not None else "dtype as given (or the checkpoint's)"]
     if mode == "memory":
         after.append("low-bit weights and activation checkpointing")

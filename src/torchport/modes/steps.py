@@ -16,7 +16,8 @@ from torch import nn
 
 from ..backends import get_backend
 from ..device import resolve
-from ..offload import format_bytes
+from .._bytes import format_bytes, weight_bytes
+from .._unwrap import transformers_model
 from .journal import Journal
 from .report import Report
 
@@ -26,22 +27,6 @@ logger = logging.getLogger("torchport")
 #: activations and the KV cache.
 DEFAULT_BUDGET = 0.8
 _EXAMPLE_TOKENS = 8
-
-
-def transformers_model(model: nn.Module) -> nn.Module | None:
-    """The transformers model inside ``model`` (itself, or behind PEFT's ``base_model.model``), or None."""
-    if "transformers" not in sys.modules:  # a model of it would have imported it
-        return None
-    from transformers import PreTrainedModel
-
-    seen: set[int] = set()
-    while not isinstance(model, PreTrainedModel) and id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(getattr(model, "base_model", None), "model", None)
-        if not isinstance(inner, nn.Module):
-            return None
-        model = inner
-    return model if isinstance(model, PreTrainedModel) else None
 
 
 def placement(model: nn.Module) -> torch.device | None:
@@ -69,15 +54,6 @@ def dtype_name(dtype: torch.dtype | None) -> str:
     return "-" if dtype is None else str(dtype).removeprefix("torch.")
 
 
-def weight_bytes(model: nn.Module) -> int:
-    seen, total = set(), 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if id(t) not in seen:
-            seen.add(id(t))
-            total += t.numel() * t.element_size()
-    return total
-
-
 # -- the steps -------------------------------------------------------------------------------------------------------
 def _replace_tensors(model: nn.Module, convert: Callable[[torch.Tensor, bool, str, nn.Module], torch.Tensor | None],
                      journal: Journal) -> int:
@@ -93,7 +69,7 @@ def _replace_tensors(model: nn.Module, convert: Callable[[torch.Tensor, bool, st
                     done[id(tensor)] = convert(tensor, is_param, key, module)
                 new = done[id(tensor)]
                 if new is not None:
-                    journal.set(table, key, new)
+                    journal.set_item(table, key, new)
     return sum(new is not None for new in done.values())
 
 
@@ -191,7 +167,7 @@ def step_attention(hf: nn.Module | None, device: torch.device, journal: Journal,
         return
     before = hf.config._attn_implementation
     for config in _configs(hf):
-        journal.remember(config.__dict__, "_attn_implementation_internal")
+        journal.remember_item(config.__dict__, "_attn_implementation_internal")
     try:
         after = attention.apply(hf, device=device)
     except (ValueError, ImportError) as exc:
@@ -255,12 +231,12 @@ def step_compile(model: nn.Module, hf: nn.Module | None, example: Any, device: t
         return False
     # torch._dynamo.explain leaves _is_torch_compile=True on the module it traced (through OptimizedModule's
     # attribute forwarding), compiled or not
-    journal.remember(model.__dict__, "_is_torch_compile")
+    journal.remember_item(model.__dict__, "_is_torch_compile")
     why = _compiles_cleanly(model, inputs)
     if why is not None:
         report.add("compile", "eager", "eager", f"not compiled: {why}")
         return False
-    journal.remember(model.__dict__, "_compiled_call_impl")
+    journal.remember_item(model.__dict__, "_compiled_call_impl")
     model.compile(backend="torchport")
     report.add("compile", "eager", "torch.compile(backend='torchport')",
                "no graph break on the example; compiles on the first call")
@@ -297,7 +273,7 @@ def quantize_linears(model: nn.Module, hf: nn.Module | None, device: torch.devic
     linears = {name: m for name, m in model.named_modules() if isinstance(m, nn.Linear)}
     for name in linears if journal is not None else ():  # quantize replaces them in their parents
         parent_name, _, attr = name.rpartition(".")
-        journal.remember((model.get_submodule(parent_name) if parent_name else model)._modules, attr)
+        journal.remember_item((model.get_submodule(parent_name) if parent_name else model)._modules, attr)
     fmt = quant.default_format(device)
     spec = quant.get_format(fmt)
     inputs = [m.in_features for name, m in linears.items() if selector(name, m)]
@@ -320,7 +296,7 @@ def quantize_linears(model: nn.Module, hf: nn.Module | None, device: torch.devic
                 continue
             # the dense layer is out of the model now: let go of its weights (the journal holds the originals)
             for key in list(original._parameters):
-                journal.set(original._parameters, key, None)
+                journal.set_item(original._parameters, key, None)
     return fmt, len(replaced), size - weight_bytes(model)
 
 
@@ -346,7 +322,7 @@ def checkpoint_activations(model: nn.Module, hf: nn.Module | None, journal: Jour
             for module in hf.modules():
                 for key in ("gradient_checkpointing", "_gradient_checkpointing_func", "_require_grads_hook",
                             "_require_grads_hooks"):
-                    journal.remember(module.__dict__, key)
+                    journal.remember_item(module.__dict__, key)
             _undo_new_hooks(hf, journal)
         enable = getattr(hf, "activation_checkpointing_enable", None) or hf.gradient_checkpointing_enable
         enable()
@@ -360,7 +336,7 @@ def checkpoint_activations(model: nn.Module, hf: nn.Module | None, journal: Jour
     for block in blocks.modules:
         wrapped = _checkpointed(block.forward, block)
         if journal is not None:
-            journal.set(block.__dict__, "forward", wrapped)
+            journal.set_item(block.__dict__, "forward", wrapped)
         else:
             block.__dict__["forward"] = wrapped
     return f"torch.utils.checkpoint around {len(blocks.modules)} blocks ({blocks.names[0]}, ...)"
@@ -422,7 +398,7 @@ def step_placement(model: nn.Module, where: torch.device | None, target: torch.d
     for module in model.modules():  # offload replaces parameter and buffer entries: keep them all
         for table in (module._parameters, module._buffers):
             for key in list(table):
-                journal.remember(table, key)
+                journal.remember_item(table, key)
     offload(model, limit, device=target, progress=False)
     state = model.__dict__["_torchport_offload"]
 
