@@ -183,7 +183,8 @@ def step_placement(ctx: StepContext) -> None:
     size = weight_bytes(model)
     if size <= limit:
         _move(model, target, journal)
-        report.add("placement", "cpu", str(target), f"weights {format_bytes(size)} fit the budget {format_bytes(limit)}")
+        report.add("placement", "cpu", str(target),
+                   f"weights {format_bytes(size)} fit the budget {format_bytes(limit)}")
         return
     for module in model.modules():  # offload replaces parameter and buffer entries: keep them all
         for table in (module._parameters, module._buffers):
