@@ -98,3 +98,20 @@ def test_a_mode_journal_parks_device_tensors_and_brings_them_back() -> None:
     assert layer.weight is None
     journal.restore()
     assert isinstance(layer.weight, nn.Parameter) and "meta" not in layer._buffers
+
+
+def test_shared_patches_go_back_when_the_last_holder_lets_go() -> None:
+    from torchport._patching import SharedPatches
+
+    module = types.ModuleType("m")
+    module.f = "f"
+    shared = SharedPatches()
+    shared.hold(module, "f", lambda current: current + "+patched", holder="a")
+    shared.hold(module, "f", lambda current: pytest.fail("patched once only"), holder="b")
+    shared.hold(Owner, "inherited_only_here", lambda current: "new", holder="b")
+    assert module.f == "f+patched" and shared.original(module, "f") == "f" and shared.holders() == {"a", "b"}
+    shared.release("a")
+    assert module.f == "f+patched" and shared
+    shared.release("b")
+    assert module.f == "f" and not hasattr(Owner, "inherited_only_here") and not shared
+    assert shared.original(module, "f") == "f"

@@ -2,7 +2,8 @@
 
 One marker, :data:`MISSING`, stands for "there was no value" (an attribute a class did not define itself, a key a
 dictionary did not have): putting it back deletes. One :class:`Journal` records each change with its first value,
-and undo functions, and undoes them last first. The CUDA shim (:mod:`torchport.compat`), model patching
+and undo functions, and undoes them last first; :class:`SharedPatches` patches an attribute once for several
+holders and puts it back when the last one lets go. The CUDA shim (:mod:`torchport.compat`), model patching
 (:mod:`torchport.models`) and modes (:mod:`torchport.modes`) change things through it.
 """
 
@@ -12,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["MISSING", "Journal", "Missing", "get_attr", "put_attr", "put_item"]
+__all__ = ["MISSING", "Journal", "Missing", "SharedPatches", "get_attr", "put_attr", "put_item"]
 
 
 class Missing:
@@ -128,3 +129,47 @@ class Journal:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+class SharedPatches:
+    """Attributes several holders need replaced the same way (a class's forward, a module-level function): each is
+    replaced once, by the first :meth:`hold`, and put back when the last holder is released. Callers serialise.
+
+    Example:
+        >>> shared = SharedPatches()
+        >>> shared.hold(modeling, "apply_rotary_pos_emb", make_rope, holder=id(model))
+        >>> shared.release(id(model))   # the last holder: modeling's own function is back
+    """
+
+    def __init__(self) -> None:
+        # (id(owner), name) -> (owner, name, the value before, its holders)
+        self._entries: dict[tuple[int, str], tuple[Any, str, Any, set[Any]]] = {}
+
+    def hold(self, owner: Any, name: str, make: Callable[[Any], Any], holder: Any) -> None:
+        """Replace ``owner.name`` by ``make(current)`` unless it is held already, and count ``holder`` in."""
+        key = (id(owner), name)
+        if key not in self._entries:
+            original = get_attr(owner, name)
+            put_attr(owner, name, make(getattr(owner, name, None)))
+            self._entries[key] = (owner, name, original, set())
+        self._entries[key][3].add(holder)
+
+    def release(self, holder: Any) -> None:
+        """Let go of everything ``holder`` holds; what nobody holds any more is put back."""
+        for key, (owner, name, original, holders) in list(self._entries.items()):
+            holders.discard(holder)
+            if not holders:
+                put_attr(owner, name, original)
+                del self._entries[key]
+
+    def original(self, owner: Any, name: str) -> Any:
+        """``owner.name`` as it was before it was held (as it is, when it is not held)."""
+        entry = self._entries.get((id(owner), name))
+        return getattr(owner, name) if entry is None else entry[2]
+
+    def holders(self) -> set[Any]:
+        """Everyone who holds something now."""
+        return set().union(*(entry[3] for entry in self._entries.values()))
+
+    def __bool__(self) -> bool:
+        return bool(self._entries)

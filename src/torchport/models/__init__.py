@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from .._patching import MISSING, Journal, get_attr, put_attr
+from .._patching import MISSING, Journal, SharedPatches
 from . import ops
 from .families import FAMILIES, Family
 from .._unwrap import peel
@@ -45,7 +45,7 @@ _KERNELS = {"cross_entropy": "cross_entropy", "fused_linear_cross_entropy": "fus
 _lock = threading.RLock()
 # Shared attributes (a class's forward, a module's function) -> original value and who holds the patch:
 # ("transformers", family) for patch_transformers, the id of a model for patch(model, rope=True).
-_shared: dict[tuple[int, str], tuple[Any, str, Any, set[Any]]] = {}
+_shared = SharedPatches()
 _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
@@ -99,21 +99,13 @@ def _flags(given: dict[str, bool]) -> dict[str, bool]:
 
 def _hold(owner: Any, attr: str, make: Callable[[Any], Any], holder: Any) -> None:
     """Patch a shared attribute once (``make(original)`` -> replacement) and count ``holder`` among its users."""
-    key = (id(owner), attr)
-    if key not in _shared:
-        original = get_attr(owner, attr)
-        put_attr(owner, attr, make(getattr(owner, attr, None)))
-        _shared[key] = (owner, attr, original, set())
-    _shared[key][3].add(holder)
+    with _lock:
+        _shared.hold(owner, attr, make, holder)
 
 
 def _release(holder: Any) -> None:
     with _lock:
-        for key, (owner, attr, original, holders) in list(_shared.items()):
-            holders.discard(holder)
-            if not holders:
-                put_attr(owner, attr, original)
-                del _shared[key]
+        _shared.release(holder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,8 +192,7 @@ def _unwrap(model: Any) -> nn.Module:
 
 def _original(cls: type, attr: str = "forward") -> Any:
     """``cls.attr`` as transformers defines it, even while patch_transformers holds it."""
-    saved = _shared.get((id(cls), attr))
-    return getattr(cls, attr) if saved is None else saved[2]
+    return _shared.original(cls, attr)
 
 
 def _defines_forward(module: nn.Module, cls: type) -> bool:
@@ -344,7 +335,7 @@ def patched_families() -> list[str]:
         ['llama']
     """
     with _lock:
-        holders = set().union(*(entry[3] for entry in _shared.values())) if _shared else set()
+        holders = _shared.holders()
     return sorted(name for kind, name in (h for h in holders if isinstance(h, tuple)) if kind == "transformers")
 
 
