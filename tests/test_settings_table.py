@@ -90,5 +90,6 @@ def test_kernel_modes_are_asked_of_one_place(monkeypatch) -> None:
             assert s.kernels == {"*": "auto", "rms_norm": "chunked"}
         with pytest.raises(ValueError, match="valid modes: auto, reference, chunked"):
             _settings._validate("kernels", "triton", "TORCHPORT_KERNELS")
+        assert "`auto`, `reference` or `chunked`, and/or per-op" in _settings.markdown_table()  # the docs follow
     finally:
         _settings._parse_kernels_text.cache_clear()

@@ -188,19 +188,29 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
 class Row:
     """One setting: ``variable`` in the environment, ``field`` in :class:`Settings` and :func:`override`, its
     ``default`` (used when the variable is unset or empty), ``parse(value, source)`` that validates and normalises a
-    value, the field's ``annotation``, ``values`` (which values it takes, for the docs) and ``doc`` (what it does);
-    ``values`` and ``doc`` are Markdown."""
+    value, the field's ``annotation``, ``values`` (which values it takes, for the docs: a text, or a function that
+    writes it when the values come from elsewhere) and ``doc`` (what it does); both are Markdown."""
 
     variable: str
     field: str
     default: Any
     parse: Callable[[Any, str], Any]
     annotation: str
-    values: str
+    values: str | Callable[[], str]
     doc: str
 
     def default_value(self) -> Any:
         return dict(self.default) if isinstance(self.default, Mapping) else self.default
+
+    def allowed(self) -> str:
+        """The values this setting takes, as the docs write them."""
+        return self.values() if callable(self.values) else self.values
+
+
+def _kernel_values() -> str:
+    *first, last = (f"`{mode}`" for mode in kernel_modes())
+    return (f"{', '.join(first)} or {last}, and/or per-op `op=mode` pairs (`rms_norm=reference,rope=triton`; a bare "
+            "mode among them sets the default for the other ops)")
 
 
 #: Every setting, in the order of the docs. A new setting is one row here.
@@ -222,9 +232,7 @@ ROWS: tuple[Row, ...] = (
         "`import torchport.auto`"),
     Row("TORCHPORT_REPORT", "report", False, _boolean, "bool",
         "`1` or `0`", "`1` prints at exit of `torchport run`, on stderr, what was redirected and what cannot run"),
-    Row("TORCHPORT_KERNELS", "kernels", {"*": "auto"}, _kernels, "Mapping[str, str]",
-        "`auto`, `reference`, `triton` or `npu`, and/or per-op `op=mode` pairs (`rms_norm=reference,rope=triton`; "
-        "a bare mode among them sets the default for the other ops)",
+    Row("TORCHPORT_KERNELS", "kernels", {"*": "auto"}, _kernels, "Mapping[str, str]", _kernel_values,
         "which kernel implementation runs: `auto` picks the best for the tensor's device and falls back to the "
         "reference with a warning; a forced one that cannot run raises"),
     Row("TORCHPORT_LOG", "log", frozenset(), _log, "frozenset[str]",
@@ -360,10 +368,10 @@ def markdown_table(rows: Sequence[Row] = ROWS) -> str:
         | variable | values | default | what it does |
     """
     lines = ["| variable | values | default | what it does |", "|---|---|---|---|"]
-    lines += [f"| `{row.variable}` | {row.values} | {_shown_default(row)} | {row.doc} |" for row in rows]
+    lines += [f"| `{row.variable}` | {row.allowed()} | {_shown_default(row)} | {row.doc} |" for row in rows]
     return "\n".join(lines)
 
 
 if __doc__:  # None under python -OO
     __doc__ += "\n".join(
-        f"``{row.variable}`` (``{row.field}``)\n    {row.doc}; {row.values}." for row in ROWS) + "\n"
+        f"``{row.variable}`` (``{row.field}``)\n    {row.doc}." for row in ROWS) + "\n"
