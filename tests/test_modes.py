@@ -453,7 +453,7 @@ def test_a_failing_step_undoes_what_enable_did(monkeypatch) -> None:
     def broken(*args, **kwargs):
         raise RuntimeError("step failed")
 
-    monkeypatch.setattr(modes.steps, "step_kernels", broken)
+    monkeypatch.setitem(modes.MODEL_STEPS, "balanced", (*modes.MODEL_STEPS["balanced"], broken))
     with pytest.raises(RuntimeError, match="step failed"):
         torchport.enable("balanced", model)
     assert modes.active() is None

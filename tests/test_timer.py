@@ -1,5 +1,7 @@
 import time
 
+import pytest
+
 import torch
 
 import torchport
@@ -23,3 +25,35 @@ def test_timer_is_reusable(device: torch.device) -> None:
     with t:
         time.sleep(0.01)
     assert first is not None and t.ms >= 5
+
+
+def test_one_place_chooses_events_or_the_host_clock(device: torch.device) -> None:
+    from torchport.backends import get_backend
+    from torchport.timer import EVENTS, HOST_CLOCK, HostEvent, clock, timing_event
+
+    backend = get_backend(device.type)
+    start, end = timing_event(backend, device.index), timing_event(backend, device.index)
+    has_events = backend.event(enable_timing=True) is not None
+    assert isinstance(start, HostEvent) is not has_events
+    assert clock(start) == (EVENTS if has_events else HOST_CLOCK)
+    start.record()
+    time.sleep(0.01)
+    end.record()
+    end.synchronize()
+    assert end.query() and start.elapsed_time(end) >= 5
+
+
+def test_a_host_event_waits_for_the_device_and_needs_both_records() -> None:
+    from torchport.timer import HostEvent
+
+    class Backend:
+        synchronized = 0
+
+        def synchronize(self, index):
+            Backend.synchronized += 1
+
+    start, end = HostEvent(Backend(), None), HostEvent(Backend(), None)
+    start.record()
+    assert Backend.synchronized == 1
+    with pytest.raises(RuntimeError, match="both events must be recorded"):
+        start.elapsed_time(end)

@@ -6,46 +6,13 @@ launcher or a test is seen at once. Code overrides them for a block with :func:`
     with torchport.settings.override(device="cpu"):
         ...
 
+Each setting is one :class:`Row` of :data:`ROWS`: its variable, its field name, its default, its parser, what it
+does and which values it takes. The :class:`Settings` dataclass, parsing, validation, this list and the table of
+docs/settings.md (:func:`markdown_table`, written there by ``.venv/bin/python scripts/settings_table.py --write``)
+come from there.
+
 Variables:
 
-``TORCHPORT_DEVICE``
-    Force the device torchport picks: a device type (``npu``, ``cuda``, ``cpu``...) or ``type:index``.
-``TORCHPORT_SIMULATE``
-    ``npu`` activates the simulated Ascend NPU of :mod:`torchport.testing` (tests and demos only), an Ascend910B3;
-    ``npu:<soc>`` simulates another chip, named as torch_npu names it (``npu:Ascend310P3``, ``npu:Ascend910A``; the
-    list is :func:`torchport.backends.npu.npu_chip_profiles`).
-``TORCHPORT_SIMULATE_DEVICES``
-    Number of simulated devices (1 to 16, default 1).
-``TORCHPORT_SHIM``
-    The device that CUDA calls are redirected to, set by ``torchport run`` for its child processes (and read by
-    ``import torchport.auto``): a device type or ``type:index``.
-``TORCHPORT_REPORT``
-    ``1`` prints, at exit of a program run with the shim, what was redirected and what cannot run on the device.
-``TORCHPORT_PROBE``
-    ``1`` (default) lets torchport probe reduced-precision dtypes by running small kernels; ``0`` trusts the
-    vendor's claims instead (faster start, no kernel launched).
-``TORCHPORT_KERNELS``
-    Which implementation the kernels of :mod:`torchport.kernels` use: ``auto`` (default: the best one for the
-    tensor's device, falling back to the reference with a warning when it fails), or a forced one, ``reference``,
-    ``triton`` or ``npu`` (a forced implementation that cannot run raises). Per-op choices follow, comma-separated:
-    ``rms_norm=reference,rope=triton``; a bare mode among them sets the default for the other ops
-    (``triton,rope=reference``).
-``TORCHPORT_LOG``
-    Comma-separated topics to log at INFO level through the ``torchport`` logger: ``compile`` (what each pass of
-    the torchport compile backend changed), ``kernels`` (which implementation each op picked, and autotuning),
-    ``fallback`` (ops run on the CPU by :func:`torchport.compat.cpu_fallback`), or ``all``.
-``TORCHPORT_STRICT``
-    ``1`` turns recoverable problems into errors: a compile pass that fails on an unexpected graph raises instead
-    of being skipped with a warning.
-``TORCHPORT_DIST_TIMEOUT``
-    Seconds a process-group start (rendezvous) or a collective may wait for the other processes before failing
-    with an error instead of hanging (default 300).
-``TORCHPORT_MODE``
-    A mode that ``torchport run`` enables before the program starts (and ``torchport.enable()`` enables when
-    called without one): ``speed``, ``balanced`` or ``memory`` (see :mod:`torchport.modes`).
-``TORCHPORT_CACHE_DIR``
-    Where torchport keeps what it measured once and reuses across processes (Triton autotuning results).
-    Default: ``$XDG_CACHE_HOME/torchport``, else ``~/.cache/torchport``.
 """
 
 from __future__ import annotations
@@ -56,59 +23,31 @@ import dataclasses
 import functools
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KERNEL_MODES", "LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["KERNEL_MODES", "LOG_TOPICS", "MODES", "ROWS", "Row", "Settings", "VARIABLES", "cache_dir", "environment",
+           "get", "kernel_modes", "logging_enabled", "markdown_table", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
 _BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The validated value of every torchport setting."""
-
-    device: str | None = None
-    simulate: str | None = None
-    simulate_devices: int = 1
-    probe: bool = True
-    shim: str | None = None
-    report: bool = False
-    kernels: Mapping[str, str] = dataclasses.field(default_factory=lambda: {"*": "auto"})
-    log: frozenset[str] = frozenset()
-    strict: bool = False
-    cache_dir: str | None = None
-    dist_timeout: float = 300.0
-    mode: str | None = None
-
-
-# field name -> environment variable
-VARIABLES: dict[str, str] = {
-    "device": "TORCHPORT_DEVICE",
-    "simulate": "TORCHPORT_SIMULATE",
-    "simulate_devices": "TORCHPORT_SIMULATE_DEVICES",
-    "probe": "TORCHPORT_PROBE",
-    "shim": "TORCHPORT_SHIM",
-    "report": "TORCHPORT_REPORT",
-    "kernels": "TORCHPORT_KERNELS",
-    "log": "TORCHPORT_LOG",
-    "strict": "TORCHPORT_STRICT",
-    "cache_dir": "TORCHPORT_CACHE_DIR",
-    "dist_timeout": "TORCHPORT_DIST_TIMEOUT",
-    "mode": "TORCHPORT_MODE",
-}
-
+#: The implementations ``TORCHPORT_KERNELS`` can force, as :func:`kernel_modes` answers today.
 KERNEL_MODES = ("auto", "reference", "triton", "npu")
 LOG_TOPICS = ("compile", "kernels", "fallback")
 #: The modes of :func:`torchport.enable`.
 MODES = ("speed", "balanced", "memory")
 _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
-_DEFAULTS = {field.name: field.default for field in dataclasses.fields(Settings) if field.name != "kernels"}
-_DEFAULTS["kernels"] = {"*": "auto"}
-_overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("torchport_overrides", default={})
+
+def kernel_modes() -> tuple[str, ...]:
+    """The kernel modes ``TORCHPORT_KERNELS`` accepts: the one place its row asks (the fixed :data:`KERNEL_MODES`).
+
+    Example:
+        >>> kernel_modes()[0]
+        'auto'
+    """
+    return KERNEL_MODES
 
 
 def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | None]:
@@ -130,71 +69,86 @@ def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | Non
     return match.group("type"), None if index is None else int(index)
 
 
-def _validate(name: str, value: Any, source: str) -> Any:
-    if value is None or value == "":
-        return dict(_DEFAULTS[name]) if name == "kernels" else _DEFAULTS[name]
-    if name in ("device", "shim"):
-        kind, index = parse_device_spec(str(value), source)
-        return kind if index is None else f"{kind}:{index}"
-    if name == "simulate":
-        kind, _, soc = str(value).strip().partition(":")
-        if kind.strip().lower() not in _SIMULATABLE:
-            raise ValueError(f"{source}={value!r} cannot be simulated; valid values: {', '.join(_SIMULATABLE)}, "
-                             "or npu:<soc> for a chip (npu:Ascend310P3)")
-        if not soc.strip():
-            return kind.strip().lower()
-        from .backends.npu import chip_profile  # the chips torchport knows (reading them imports torch, not torch_npu)
+# Parsers: (value, source) -> the validated value; ``source`` (the variable, or the field name for an override)
+# starts every error, which then says what the value is not and what is allowed.
 
-        try:
-            return f"npu:{chip_profile(soc).soc_version}"
-        except ValueError as exc:
-            raise ValueError(f"{source}={value!r}: {exc}") from None
-    if name == "simulate_devices":
-        try:
-            count = int(value)
-        except (TypeError, ValueError):
-            count = -1
-        if not 1 <= count <= 16:
-            raise ValueError(f"{source}={value!r} is not a device count; valid values: integers 1 to 16")
-        return count
-    if name == "log":
-        topics = value if isinstance(value, (set, frozenset, list, tuple)) else str(value).split(",")
-        chosen = {str(topic).strip().lower() for topic in topics} - {""}
-        if "all" in chosen:
-            return frozenset(LOG_TOPICS)
-        unknown = sorted(chosen - set(LOG_TOPICS))
-        if unknown:
-            raise ValueError(
-                f"{source}={value!r}: unknown log topic(s) {', '.join(unknown)}; valid: {', '.join(LOG_TOPICS)}, all"
-            )
-        return frozenset(chosen)
-    if name == "dist_timeout":
-        try:
-            seconds = float(value)
-        except (TypeError, ValueError):
-            seconds = -1.0
-        if not 0 < seconds < float("inf"):
-            raise ValueError(f"{source}={value!r} is not a timeout; valid values: a positive number of seconds")
-        return seconds
-    if name == "mode":
-        text = str(value).strip().lower()
-        if text not in MODES:
-            raise ValueError(f"{source}={value!r} is not a mode; valid values: {', '.join(MODES)}")
-        return text
-    if name == "cache_dir":
-        return os.path.abspath(os.path.expanduser(str(value)))
-    if name in ("probe", "report", "strict"):
-        if isinstance(value, bool):
-            return value
-        text = str(value).strip().lower()
-        if text not in _BOOLEAN:
-            raise ValueError(f"{source}={value!r} is not a boolean; valid values: {', '.join(_BOOLEAN)}")
-        return _BOOLEAN[text]
-    if name == "kernels":
-        if isinstance(value, str):
-            return dict(_parse_kernels_text(value, source))  # read on every kernel call: parse each text once
-        return _parse_kernels(value, source)
-    raise AssertionError(name)
+def _device(value: Any, source: str) -> str:
+    kind, index = parse_device_spec(str(value), source)
+    return kind if index is None else f"{kind}:{index}"
+
+
+def _simulate(value: Any, source: str) -> str:
+    kind, _, soc = str(value).strip().partition(":")
+    if kind.strip().lower() not in _SIMULATABLE:
+        raise ValueError(f"{source}={value!r} cannot be simulated; valid values: {', '.join(_SIMULATABLE)}, "
+                         "or npu:<soc> for a chip (npu:Ascend310P3)")
+    if not soc.strip():
+        return kind.strip().lower()
+    from .backends.npu import chip_profile  # the chips torchport knows (reading them imports torch, not torch_npu)
+
+    try:
+        return f"npu:{chip_profile(soc).soc_version}"
+    except ValueError as exc:
+        raise ValueError(f"{source}={value!r}: {exc}") from None
+
+
+def _device_count(value: Any, source: str) -> int:
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if not 1 <= count <= 16:
+        raise ValueError(f"{source}={value!r} is not a device count; valid values: integers 1 to 16")
+    return count
+
+
+def _boolean(value: Any, source: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text not in _BOOLEAN:
+        raise ValueError(f"{source}={value!r} is not a boolean; valid values: {', '.join(_BOOLEAN)}")
+    return _BOOLEAN[text]
+
+
+def _log(value: Any, source: str) -> frozenset[str]:
+    topics = value if isinstance(value, (set, frozenset, list, tuple)) else str(value).split(",")
+    chosen = {str(topic).strip().lower() for topic in topics} - {""}
+    if "all" in chosen:
+        return frozenset(LOG_TOPICS)
+    unknown = sorted(chosen - set(LOG_TOPICS))
+    if unknown:
+        raise ValueError(
+            f"{source}={value!r}: unknown log topic(s) {', '.join(unknown)}; valid: {', '.join(LOG_TOPICS)}, all"
+        )
+    return frozenset(chosen)
+
+
+def _seconds(value: Any, source: str) -> float:
+    try:
+        seconds = float(value)
+    except (TypeError, ValueError):
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise ValueError(f"{source}={value!r} is not a timeout; valid values: a positive number of seconds")
+    return seconds
+
+
+def _mode(value: Any, source: str) -> str:
+    text = str(value).strip().lower()
+    if text not in MODES:
+        raise ValueError(f"{source}={value!r} is not a mode; valid values: {', '.join(MODES)}")
+    return text
+
+
+def _path(value: Any, source: str) -> str:
+    return os.path.abspath(os.path.expanduser(str(value)))
+
+
+def _kernels(value: Any, source: str) -> dict[str, str]:
+    if isinstance(value, str):
+        return dict(_parse_kernels_text(value, source))  # read on every kernel call: parse each text once
+    return _parse_kernels(value, source)
 
 
 @functools.lru_cache(maxsize=64)
@@ -208,6 +162,7 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
         items = [f"{op}={mode}" if op != "*" else str(mode) for op, mode in value.items()]
     else:
         items = [item.strip() for item in str(value).split(",")]
+    modes = kernel_modes()
     choice = {"*": "auto"}
     default_seen = False
     for item in items:
@@ -223,10 +178,104 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
             raise ValueError(f"{source}={value!r}: {op!r} is not an op name; write op=mode, e.g. rms_norm=reference")
         elif op in choice:
             raise ValueError(f"{source}={value!r} sets {op!r} twice")
-        if mode not in KERNEL_MODES:
-            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: {', '.join(KERNEL_MODES)}")
+        if mode not in modes:
+            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: {', '.join(modes)}")
         choice[op] = mode
     return choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One setting: ``variable`` in the environment, ``field`` in :class:`Settings` and :func:`override`, its
+    ``default`` (used when the variable is unset or empty), ``parse(value, source)`` that validates and normalises a
+    value, the field's ``annotation``, ``values`` (which values it takes, for the docs: a text, or a function that
+    writes it when the values come from elsewhere) and ``doc`` (what it does); both are Markdown."""
+
+    variable: str
+    field: str
+    default: Any
+    parse: Callable[[Any, str], Any]
+    annotation: str
+    values: str | Callable[[], str]
+    doc: str
+
+    def default_value(self) -> Any:
+        return dict(self.default) if isinstance(self.default, Mapping) else self.default
+
+    def allowed(self) -> str:
+        """The values this setting takes, as the docs write them."""
+        return self.values() if callable(self.values) else self.values
+
+
+def _kernel_values() -> str:
+    *first, last = (f"`{mode}`" for mode in kernel_modes())
+    return (f"{', '.join(first)} or {last}, and/or per-op `op=mode` pairs (`rms_norm=reference,rope=triton`; a bare "
+            "mode among them sets the default for the other ops)")
+
+
+#: Every setting, in the order of the docs. A new setting is one row here.
+ROWS: tuple[Row, ...] = (
+    Row("TORCHPORT_DEVICE", "device", None, _device, "str | None",
+        "a device type or `type:index` (`npu`, `cuda:1`, `cpu`)",
+        "forces the device torchport picks (an absent one is an error)"),
+    Row("TORCHPORT_SIMULATE", "simulate", None, _simulate, "str | None",
+        "`npu` (an Ascend910B3), or `npu:<soc>` for another chip as torch_npu names it (`npu:Ascend310P3`, "
+        "`npu:Ascend910A`; an unknown one is an error listing the known chips)",
+        "activates the simulated Ascend NPU (tests and demos; see [testing.md](testing.md#the-simulated-npu))"),
+    Row("TORCHPORT_SIMULATE_DEVICES", "simulate_devices", 1, _device_count, "int",
+        "an integer, 1 to 16", "how many simulated NPUs there are (backward runs on `npu:0` only)"),
+    Row("TORCHPORT_PROBE", "probe", True, _boolean, "bool",
+        "`1` or `0` (also true/false, yes/no, on/off)",
+        "`1` probes reduced-precision dtypes by running small kernels; `0` trusts the vendor's claims (faster start)"),
+    Row("TORCHPORT_SHIM", "shim", None, _device, "str | None",
+        "a device type or `type:index`",
+        "the device CUDA calls go to in processes started by `torchport run` (set by it) and for "
+        "`import torchport.auto`"),
+    Row("TORCHPORT_REPORT", "report", False, _boolean, "bool",
+        "`1` or `0`", "`1` prints at exit of `torchport run`, on stderr, what was redirected and what cannot run"),
+    Row("TORCHPORT_KERNELS", "kernels", {"*": "auto"}, _kernels, "Mapping[str, str]", _kernel_values,
+        "which kernel implementation runs: `auto` picks the best for the tensor's device and falls back to the "
+        "reference with a warning; a forced one that cannot run raises"),
+    Row("TORCHPORT_LOG", "log", frozenset(), _log, "frozenset[str]",
+        "comma-separated topics: `compile`, `kernels`, `fallback`, or `all`",
+        "topics logged to stderr at INFO: what each compile pass changed, each kernel choice and autotuning, ops "
+        "run on the CPU by `torchport.compat.cpu_fallback`"),
+    Row("TORCHPORT_STRICT", "strict", False, _boolean, "bool",
+        "`1` or `0`",
+        "`1`: recoverable problems raise instead of warning (a compile pass or the device's compiler that fails, "
+        "the NPU attention operator that fails)"),
+    Row("TORCHPORT_CACHE_DIR", "cache_dir", None, _path, "str | None",
+        "a folder (default `$XDG_CACHE_HOME/torchport`, else `~/.cache/torchport`)",
+        "where torchport keeps what it measured once and reuses across processes (Triton autotuning results)"),
+    Row("TORCHPORT_DIST_TIMEOUT", "dist_timeout", 300.0, _seconds, "float",
+        "a positive number of seconds",
+        "how long a process-group start (rendezvous) or a collective may wait for the other processes before "
+        "failing instead of hanging"),
+    Row("TORCHPORT_MODE", "mode", None, _mode, "str | None",
+        "`speed`, `balanced` or `memory`",
+        "the mode `torchport run` switches on before the program starts (and `torchport.enable()` without a mode)"),
+)
+
+_ROWS: dict[str, Row] = {row.field: row for row in ROWS}
+#: field name -> environment variable
+VARIABLES: dict[str, str] = {row.field: row.variable for row in ROWS}
+
+Settings = dataclasses.make_dataclass(
+    "Settings",
+    [(row.field, row.annotation, dataclasses.field(default_factory=row.default_value)
+      if isinstance(row.default, Mapping) else dataclasses.field(default=row.default)) for row in ROWS],
+    frozen=True,
+    namespace={"__doc__": "The validated value of every torchport setting (fields: the rows of ``ROWS``)."},
+)
+Settings.__module__ = __name__  # repr and pickling name torchport._settings.Settings
+_overrides: contextvars.ContextVar[Mapping[str, Any]] = contextvars.ContextVar("torchport_overrides", default={})
+
+
+def _validate(name: str, value: Any, source: str) -> Any:
+    row = _ROWS[name]
+    if value is None or value == "":
+        return row.default_value()
+    return row.parse(value, source)
 
 
 def value(name: str) -> Any:
@@ -235,7 +284,7 @@ def value(name: str) -> Any:
     Example:
         >>> torchport.settings.value("simulate")   # None unless TORCHPORT_SIMULATE is set
     """
-    if name not in VARIABLES:
+    if name not in _ROWS:
         raise ValueError(f"unknown torchport setting {name!r}; valid: {', '.join(VARIABLES)}")
     forced = _overrides.get()
     if name in forced:
@@ -264,8 +313,8 @@ def override(**values: Any) -> Iterator[Settings]:
     unknown = sorted(set(values) - set(VARIABLES))
     if unknown:
         raise ValueError(f"unknown torchport setting(s) {', '.join(unknown)}; valid: {', '.join(VARIABLES)}")
-    for name, value in values.items():
-        _validate(name, value, name)
+    for name, given in values.items():
+        _validate(name, given, name)
     token = _overrides.set({**_overrides.get(), **values})
     try:
         yield get()
@@ -281,10 +330,8 @@ def logging_enabled(topic: str) -> bool:
 
 
 def cache_dir() -> str:
-    """The directory for torchport's persistent caches: ``TORCHPORT_DIST_TIMEOUT``
-    Seconds a process-group start (rendezvous) or a collective may wait for the other processes before failing
-    with an error instead of hanging (default 300).
-``TORCHPORT_CACHE_DIR`` or the user's cache directory.
+    """The directory for torchport's persistent caches: ``TORCHPORT_CACHE_DIR`` or the user's cache directory
+    (``$XDG_CACHE_HOME/torchport``, else ``~/.cache/torchport``).
 
     Example:
         >>> torchport.settings.cache_dir()   # doctest: +SKIP
@@ -301,3 +348,31 @@ def environment() -> dict[str, str]:
     """The environment variables that matter to torchport and the devices it drives, as set now."""
     wanted = re.compile(r"^(TORCHPORT_.*|.*_VISIBLE_DEVICES|TORCH_DEVICE_BACKEND_AUTOLOAD|PYTORCH_.*ALLOC_CONF|ASCEND_.*)$")
     return {key: value for key, value in sorted(os.environ.items()) if wanted.match(key)}
+
+
+def _shown_default(row: Row) -> str:
+    default = row.default
+    if isinstance(default, Mapping):  # {"*": mode, op: mode}: written as TORCHPORT_KERNELS takes it
+        return "`" + ",".join(mode if op == "*" else f"{op}={mode}" for op, mode in default.items()) + "`"
+    if default is None or default == frozenset():
+        return "unset"
+    if isinstance(default, bool):
+        return f"`{int(default)}`"
+    return f"`{default:g}`" if isinstance(default, float) else f"`{default}`"
+
+
+def markdown_table(rows: Sequence[Row] = ROWS) -> str:
+    """The settings as the Markdown table of docs/settings.md (one line per row, no trailing newline).
+
+    Example:
+        >>> print(markdown_table().splitlines()[0])
+        | variable | values | default | what it does |
+    """
+    lines = ["| variable | values | default | what it does |", "|---|---|---|---|"]
+    lines += [f"| `{row.variable}` | {row.allowed()} | {_shown_default(row)} | {row.doc} |" for row in rows]
+    return "\n".join(lines)
+
+
+if __doc__:  # None under python -OO
+    __doc__ += "\n".join(
+        f"``{row.variable}`` (``{row.field}``)\n    {row.doc}." for row in ROWS) + "\n"

@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _settings
+from ._bytes import format_bytes
 from .backends import Backend, get_backend
 from .backends.npu import cann_version
 from .device import device as selected_device
@@ -188,7 +189,8 @@ def _check_device(backend: Backend, index: int) -> Outcome:
     if memory is None:
         return True, f"{name}; memory not reported", {"name": name, "free": None, "total": None}
     free, total = memory
-    return True, f"{name}; {_gib(free)} free of {_gib(total)}", {"name": name, "free": free, "total": total}
+    data = {"name": name, "free": free, "total": total}
+    return True, f"{name}; {format_bytes(free)} free of {format_bytes(total)}", data
 
 
 def _check_dtypes(backend: Backend, index: int) -> Outcome:
@@ -321,5 +323,3 @@ def _check_memory(backend: Backend, index: int) -> Outcome:
     return True, f"allocated {size} MiB (counted), freed it, count back to {after / 2**20:.1f} MiB", data
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"

@@ -84,7 +84,7 @@ def targets(tmp_path: Path) -> Path:
 def test_example_over_batch_sizes(device: torch.device, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out_json, out_png = tmp_path / "bench.json", tmp_path / "bench.png"
     code = main(["bench", EXAMPLE, "--device", str(device), "--batch-sizes", "1,4,8", "--warmup", "1", "--iters", "3",
-                 "--json", str(out_json), "--plot", str(out_png)])
+                 "--json-out", str(out_json), "--plot", str(out_png)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "median ms" in out and "factory(batch_size=b)" in out
@@ -98,7 +98,7 @@ def test_example_over_batch_sizes(device: torch.device, tmp_path: Path, capsys: 
 def test_inputs_are_tiled_without_a_batch_size_keyword(targets: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "bench.json"
     assert main(["bench", f"{targets}:tiled", "--device", "cpu", "--batch-sizes", "3,5", "--warmup", "0",
-                 "--iters", "1", "--json", str(out_json)]) == 0
+                 "--iters", "1", "--json-out", str(out_json)]) == 0
     data = json.loads(out_json.read_text())
     assert data["batching"] == "the factory's inputs tiled along dim 0"
     seen = sys.modules["_torchport_target_bench_targets"].SEEN
@@ -121,7 +121,7 @@ def test_a_failing_batch_size_exits_1_after_the_table(targets: Path, capsys: pyt
     (["{targets}:no_batch", "--batch-sizes", "2"], "no tensor with a batch dimension"),
     (["{targets}:tiled", "--device", "npu:4"], "npu:4"),
     (["{targets}:nothing"], "'nothing' does not exist"),
-    (["{targets}:tiled", "--json", "/no/such/folder/b.json"], "does not exist"),
+    (["{targets}:tiled", "--json-out", "/no/such/folder/b.json"], "does not exist"),
 ])
 def test_usage_errors_exit_2_with_one_line(targets: Path, npu: torch.device, capsys: pytest.CaptureFixture,
                                            args: list[str], message: str) -> None:
@@ -159,7 +159,7 @@ def test_npu_absent_names_the_simulated_npu(targets: Path) -> None:
 def test_a_wide_spread_is_named_under_the_table(targets: Path, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out_json = tmp_path / "bench.json"
     assert main(["bench", f"{targets}:uneven", "--device", "cpu", "--batch-sizes", "1,2", "--warmup", "0",
-                 "--iters", "10", "--json", str(out_json)]) == 0
+                 "--iters", "10", "--json-out", str(out_json)]) == 0
     out = " ".join(capsys.readouterr().out.split())
     assert "p80/p20" in out and "warning: p80/p20 above 1.5 at batch size 2:" in out
     data = json.loads(out_json.read_text())

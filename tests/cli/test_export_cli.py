@@ -18,7 +18,7 @@ TARGETS = Path(__file__).resolve().parents[1] / "export" / "export_targets.py"
 def test_export_with_atc_writes_the_script(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out, report = tmp_path / "cnn.onnx", tmp_path / "report.json"
     code = main(["export", f"{TARGETS}:cnn", "--onnx", str(out), "--dynamic-batch", "--atc", "--soc-version",
-                 "Ascend910B1", "--precision-mode", "allow_fp32_to_fp16", "--json", str(report)])
+                 "Ascend910B1", "--precision-mode", "allow_fp32_to_fp16", "--json-out", str(report)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     assert "opset 15" in stdout and "max abs error" in stdout
@@ -61,7 +61,7 @@ def test_usage_errors_exit_2_before_writing(tmp_path: Path, capsys: pytest.Captu
 def test_bench_times_onnxruntime_beside_eager(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     out = tmp_path / "bench.json"
     code = main(["bench", f"{TARGETS}:cnn", "--device", "cpu", "--onnx", "--opset", "13", "--warmup", "1",
-                 "--iters", "2", "--json", str(out)])
+                 "--iters", "2", "--json-out", str(out)])
     stdout = capsys.readouterr().out
     assert code == 0, stdout
     assert "onnxruntime CPUExecutionProvider" in stdout

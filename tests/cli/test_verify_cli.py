@@ -92,7 +92,7 @@ def _torchport(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
 def test_example_passes_with_json_and_plot(device: torch.device, tmp_path: Path,
                                            capsys: pytest.CaptureFixture) -> None:
     out_json, out_png = tmp_path / "report.json", tmp_path / "report.png"
-    code = main(["verify", EXAMPLE, "--device", str(device), "--json", str(out_json), "--plot", str(out_png)])
+    code = main(["verify", EXAMPLE, "--device", str(device), "--json-out", str(out_json), "--plot", str(out_png)])
     out = capsys.readouterr().out
     assert code == 0, out
     assert "all 15 rows within tolerance" in out
@@ -104,7 +104,7 @@ def test_example_passes_with_json_and_plot(device: torch.device, tmp_path: Path,
 def test_divergence_exits_1_with_the_table(npu: torch.device, targets: Path, tmp_path: Path,
                                            capsys: pytest.CaptureFixture) -> None:
     out_json = tmp_path / "report.json"
-    assert main(["verify", f"{targets}:planted", "--device", "npu", "--json", str(out_json)]) == 1
+    assert main(["verify", f"{targets}:planted", "--device", "npu", "--json-out", str(out_json)]) == 1
     out = capsys.readouterr().out
     assert "FIRST" in out and "first divergence: 3 (OnNpuShift)" in out
     assert json.loads(out_json.read_text())["first_divergence"] == "3"
@@ -136,7 +136,7 @@ def test_model_failing_on_the_device_names_the_layer(device: torch.device, targe
 
 def test_input_shape_replaces_the_factory_inputs(targets: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    assert main(["verify", f"{targets}:mlp", "--device", "cpu", "--input", "3x8", "--json", str(out_json)]) == 0
+    assert main(["verify", f"{targets}:mlp", "--device", "cpu", "--input", "3x8", "--json-out", str(out_json)]) == 0
     assert json.loads(out_json.read_text())["layers"][-1]["shape"] == [3, 2]
 
 
@@ -149,14 +149,15 @@ def test_input_files(targets: Path, tmp_path: Path) -> None:
     for name in ("args.pt", "kwargs.safetensors", "args.safetensors"):
         out_json = tmp_path / f"{name}.json"
         code = main(["verify", f"{targets}:two_inputs", "--device", "cpu", "--input", str(tmp_path / name),
-                     "--json", str(out_json)])
+                     "--json-out", str(out_json)])
         assert code == 0, name
         assert json.loads(out_json.read_text())["layers"][0]["shape"] == [5, 4], name
 
 
 def test_dtype_option(targets: Path, tmp_path: Path) -> None:
     out_json = tmp_path / "r.json"
-    assert main(["verify", f"{targets}:mlp", "--device", "cpu", "--dtype", "bfloat16", "--json", str(out_json)]) == 0
+    assert main(["verify", f"{targets}:mlp", "--device", "cpu", "--dtype", "bfloat16",
+                 "--json-out", str(out_json)]) == 0
     report = json.loads(out_json.read_text())
     assert report["dtype"] == "bfloat16" and report["rtol"] == 0.1
 

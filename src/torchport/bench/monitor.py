@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import time
 from types import TracebackType
 from typing import Any
 
 from ..device import DeviceLike, resolve
-from .timing import EVENTS, HOST_CLOCK, Result, is_simulated
+from ..timer import EVENTS, HOST_CLOCK, clock, timing_event
+from .timing import Result, is_simulated
 
 __all__ = ["Monitor"]
 
@@ -19,9 +19,9 @@ _RESOLVE_EVERY = 256
 class Monitor:
     """Times each step of a loop: ``with monitor:`` (or ``with monitor.step(items=n):``) around the step's work.
 
-    On devices with events, a step records an event pair on the current stream and does not wait for the device,
-    so the loop keeps its pace; the times are read when they are complete and in :meth:`report`. On the CPU the
-    host clock is read around the step, synchronised. The first ``warmup`` steps are not counted; peak memory
+    A step records a pair of events from :func:`torchport.timer.timing_event`. On devices with events they go on
+    the current stream and the step does not wait for the device, so the loop keeps its pace; the times are read
+    when they are complete and in :meth:`report`. On the CPU the host clock is read around the step, synchronised. The first ``warmup`` steps are not counted; peak memory
     counters are reset when the first counted step starts. Steps that raise are not counted.
 
     Args:
@@ -44,7 +44,7 @@ class Monitor:
         self.device = self._backend.device(self._index)
         self.warmup = warmup
         self.items = items
-        self._uses_events = self._backend.event(enable_timing=True) is not None
+        self._uses_events = clock(timing_event(self._backend, self._index)) == EVENTS
         self.reset()
 
     def reset(self) -> None:
@@ -110,7 +110,6 @@ class _Step:
     def __init__(self, monitor: Monitor, items: float | None) -> None:
         self._monitor, self._items = monitor, items
         self._start: Any = None
-        self._t0 = 0.0
 
     def __enter__(self) -> _Step:
         monitor = self._monitor
@@ -120,12 +119,8 @@ class _Step:
         if monitor.steps == monitor.warmup:  # the first counted step
             monitor._backend.synchronize(monitor._index)
             monitor._backend.reset_peak_memory_stats(monitor._index)
-        if monitor._uses_events:
-            self._start = monitor._backend.event(enable_timing=True)
-            self._start.record()
-        else:
-            monitor._backend.synchronize(monitor._index)
-            self._t0 = time.perf_counter()
+        self._start = timing_event(monitor._backend, monitor._index)
+        self._start.record()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -136,15 +131,9 @@ class _Step:
             return
         counted = monitor.steps >= monitor.warmup
         monitor.steps += 1
-        if monitor._uses_events:
-            end = monitor._backend.event(enable_timing=True)
-            end.record()
-            if counted:
-                monitor._pending.append((self._start, end, self._items))
-                if len(monitor._pending) >= _RESOLVE_EVERY:
-                    monitor._resolve(wait=False)
-        else:
-            monitor._backend.synchronize(monitor._index)
-            if counted:
-                monitor._times.append((time.perf_counter() - self._t0) * 1e3)
-                monitor._items.append(self._items)
+        end = timing_event(monitor._backend, monitor._index)
+        end.record()
+        if counted:
+            monitor._pending.append((self._start, end, self._items))
+            if not monitor._uses_events or len(monitor._pending) >= _RESOLVE_EVERY:
+                monitor._resolve(wait=False)  # host-clock times are complete at once

@@ -9,11 +9,10 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..device import DeviceLike, resolve
+from ..timer import EVENTS, HOST_CLOCK, clock, timing_event  # noqa: F401 - EVENTS, HOST_CLOCK: named here too
 
 __all__ = ["WIDE_SPREAD", "Result", "device_label", "is_simulated", "measure", "percentile"]
 
-EVENTS = "device events"
-HOST_CLOCK = "host clock, synchronised"
 # p80/p20 above which a median is flagged as unreliable. At 1.5 the middle 60% of the calls spans half the median or
 # more, and medians of repeated runs move by as much as the speed-ups people read benchmarks for: five runs of a
 # 256x256 matmul on this project's 2-core shared CPU machine gave p80/p20 of 1.31 to 1.77 and medians of 0.27 to
@@ -168,9 +167,9 @@ def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, device: 
             items: float | None = None) -> Result:
     """Call ``fn()`` ``warmup`` times, then time ``iters`` calls one by one.
 
-    Each call is timed with a pair of device events recorded on the device's current stream around it, read after
-    a final synchronize; on devices without events (the CPU) with the host clock, the device synchronised after
-    each call. The device is synchronised before the first timed call and after the last, so queued work is never
+    Each call is timed with a pair of events from :func:`torchport.timer.timing_event` around it: device events
+    recorded on the device's current stream, read after a final synchronize, or on devices without events (the
+    CPU) the host clock, the device synchronised before and after each call. The device is synchronised before the first timed call and after the last, so queued work is never
     left out. Work ``fn`` queues on other streams is seen by the synchronisations (``wall_ms``) but not by events
     on the current stream. Peak memory counters are reset after the warm-up.
 
@@ -193,29 +192,17 @@ def measure(fn: Callable[[], Any], *, warmup: int = 3, iters: int = 20, device: 
         fn()
     backend.synchronize(index)
     backend.reset_peak_memory_stats(index)
-    starts = [backend.event(enable_timing=True) for _ in range(iters)]
-    use_events = all(event is not None for event in starts)
-    times: list[float] = []
+    starts = [timing_event(backend, index) for _ in range(iters)]  # made before the loop: none is made while timing
+    ends = [timing_event(backend, index) for _ in range(iters)]
     wall_start = time.perf_counter()
-    if use_events:
-        ends = [backend.event(enable_timing=True) for _ in range(iters)]
-        for start, end in zip(starts, ends):
-            start.record()
-            fn()
-            end.record()
-        backend.synchronize(index)
-        wall = time.perf_counter() - wall_start
-        times = [float(start.elapsed_time(end)) for start, end in zip(starts, ends)]
-    else:
-        previous = wall_start
-        for _ in range(iters):
-            fn()
-            backend.synchronize(index)
-            now = time.perf_counter()
-            times.append((now - previous) * 1e3)
-            previous = now
-        wall = previous - wall_start
+    for start, end in zip(starts, ends):
+        start.record()
+        fn()
+        end.record()
+    backend.synchronize(index)
+    wall = time.perf_counter() - wall_start
+    times = [float(start.elapsed_time(end)) for start, end in zip(starts, ends)]
     peak = backend.memory_stats(index).get("peak_allocated")
-    return Result(device=str(backend.device(index)), timer=EVENTS if use_events else HOST_CLOCK,
+    return Result(device=str(backend.device(index)), timer=clock(starts[0]),
                   times_ms=tuple(times), warmup=warmup, peak_memory=peak, wall_ms=wall * 1e3 / iters,
                   items=None if per_call is None else (per_call,) * iters, simulated=is_simulated(backend))

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from typing import Any
 
-from .verify import DTYPES, check_device, check_output, load_factory, usage_error
+from .output import add_json_arguments, check_output, json_outputs, write_json
+from .verify import DTYPES, check_device, load_factory, usage_error
 
 __all__ = ["HELP", "add_arguments", "handle", "parse_batch_sizes"]
 
@@ -39,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--iters", type=int, default=20, help="timed calls per batch size (default: 20)")
     parser.add_argument("--dtype", choices=DTYPES, help="cast the model and its floating-point inputs to this dtype "
                                                         "(default: as the factory made them)")
-    parser.add_argument("--json", metavar="OUT", help="write the results as JSON to this file")
+    add_json_arguments(parser, "the results", old_file_option=True)
     parser.add_argument("--plot", metavar="OUT.png", help="write throughput and memory against batch size as a PNG "
                                                           "(matplotlib)")
     parser.add_argument("--onnx", action="store_true", help="also export the model to ONNX (dynamic batch) and time "
@@ -78,7 +80,7 @@ def handle(args: argparse.Namespace) -> int:
         value, least = getattr(args, name), 0 if name == "warmup" else 1
         if value < least:
             raise usage_error(f"--{name} {value} is not allowed; give an integer >= {least}")
-    check_output(args.json, "--json")
+    to_stdout, json_path = json_outputs(args)
     check_output(args.plot, "--plot")
     factory = load_factory(args.target)
     check_device(args.device, "--device")
@@ -88,20 +90,21 @@ def handle(args: argparse.Namespace) -> int:
                        progress=True, source=f"TARGET {args.target}")
     except TargetError as exc:
         raise usage_error(str(exc)) from exc
-    result.print()
-    exported = _onnx_sweep(args, factory, sizes) if args.onnx else None
-    if args.json:
+    if not to_stdout:
+        result.print()
+    exported = _onnx_sweep(args, factory, sizes, quiet=to_stdout) if args.onnx else None
+    if to_stdout or json_path:
         data = result.to_dict() if exported is None else {"ok": result.ok and exported.ok, "eager": result.to_dict(),
                                                           "onnxruntime": exported.to_dict()}
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(json.dumps(data, indent=2) + "\n")
+        write_json(json.dumps(data, indent=2), to_stdout, json_path)
     if args.plot:
         result.plot(args.plot) if exported is None else result.plot(args.plot, compare=exported)
     return 0 if result.ok and (exported is None or exported.ok) else 1
 
 
-def _onnx_sweep(args: argparse.Namespace, factory: Any, sizes: list[int] | None) -> Any:
-    """Time the exported model in onnxruntime at the same batch sizes and print its table."""
+def _onnx_sweep(args: argparse.Namespace, factory: Any, sizes: list[int] | None, quiet: bool) -> Any:
+    """Time the exported model in onnxruntime at the same batch sizes and print its table (quiet: on stdout
+    nothing, the note about differences on stderr)."""
     from ..export import ExportError, sweep_onnx
     from ..verify import TargetError
 
@@ -113,9 +116,10 @@ def _onnx_sweep(args: argparse.Namespace, factory: Any, sizes: list[int] | None)
                                       warmup=args.warmup, iters=args.iters, source=f"TARGET {args.target}")
     except (TargetError, ExportError, ImportError, ValueError) as exc:
         raise usage_error(f"--onnx: {exc}") from exc
-    exported.print()
+    if not quiet:
+        exported.print()
     if not report.ok:
         print(f"note: the exported model differs from PyTorch (relative error {report.rel_error:.3g}, rtol "
-              f"{report.rtol:g})")
+              f"{report.rtol:g})", file=sys.stderr if quiet else sys.stdout)
     return exported
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from .output import add_json_arguments, json_outputs, write_json
 from .verify import DTYPES, build_target, load_factory, usage_error
 
 __all__ = ["HELP", "add_arguments", "handle"]
@@ -49,7 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                         "first (default: as the factory made them)")
     parser.add_argument("--no-backward", dest="backward", action="store_false",
                         help="record the forward only (inference)")
-    parser.add_argument("--json", action="store_true", help="print the report as JSON on stdout, nothing else")
+    add_json_arguments(parser, "the report")
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -57,8 +58,9 @@ def handle(args: argparse.Namespace) -> int:
     Without a target, print the chip report of ``--soc`` (or of the NPU present) and return 0."""
     from ..compile.op_coverage import coverage
 
+    to_stdout, json_path = json_outputs(args)
     if args.target is None:
-        return _chip_only(args)
+        return _chip_only(args, to_stdout, json_path)
     model, inputs = build_target(load_factory(args.target), args.target, args.input, args.dtype)
     try:
         report = coverage(model, inputs, args.device, backward=args.backward, soc=args.soc)
@@ -67,22 +69,22 @@ def handle(args: argparse.Namespace) -> int:
     except NotImplementedError as exc:  # an operator neither the device nor the CPU has, met running on the device
         print(f"{args.command_prog}: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 1
-    if args.json:
-        print(json.dumps(report.to_dict(), indent=2))
-    else:
+    if to_stdout or json_path:
+        write_json(json.dumps(report.to_dict(), indent=2), to_stdout, json_path)
+    if not to_stdout:
         report.print()
     return 1 if report.missing else 0
 
 
-def _chip_only(args: argparse.Namespace) -> int:
+def _chip_only(args: argparse.Namespace, to_stdout: bool, json_path: str | None) -> int:
     from ..compile.chip_coverage import chip_report
 
     try:
         report = chip_report(args.device, args.soc)
     except ValueError as exc:
         raise usage_error(str(exc)) from exc
-    if args.json:
-        print(json.dumps({"device": "npu", "chip": report.to_dict()}, indent=2))
-    else:
+    if to_stdout or json_path:
+        write_json(json.dumps({"device": "npu", "chip": report.to_dict()}, indent=2), to_stdout, json_path)
+    if not to_stdout:
         report.print()
     return 0

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import info
 from ..doctor import Check, run_checks
+from .output import add_json_arguments, json_outputs, write_json
 
 __all__ = ["HELP", "add_arguments", "exit_code", "handle", "render_json", "render_table"]
 
@@ -16,7 +17,7 @@ HELP = "check torch, every device (dtypes, numerics against the CPU, memory) and
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout, nothing else")
+    add_json_arguments(parser, "the results")
     parser.add_argument("--device", metavar="D", help="check only this device, e.g. 'npu:1' or 'cpu'")
 
 
@@ -32,15 +33,16 @@ def exit_code(checks: Sequence[Check]) -> int:
 
 def handle(args: argparse.Namespace) -> int:
     """Run the checks, print them, and return :func:`exit_code`."""
+    to_stdout, json_path = json_outputs(args)
     try:
         checks = run_checks(args.device)
     except (ValueError, RuntimeError) as exc:
         if args.device is None:
             raise  # with no --device, run_checks raises only on a bug, which should show its traceback
         raise argparse.ArgumentError(None, str(exc)) from exc
-    if args.json:
-        print(render_json(checks))
-    else:
+    if to_stdout or json_path:
+        write_json(render_json(checks), to_stdout, json_path)
+    if not to_stdout:
         from rich.console import Console
 
         render_table(checks, Console())

@@ -6,7 +6,8 @@ import argparse
 import json
 
 from .bench import parse_batch_sizes
-from .verify import check_device, check_output, load_factory, usage_error
+from .output import add_json_arguments, check_output, json_outputs, stdout_to_stderr, write_json
+from .verify import check_device, load_factory, usage_error
 
 __all__ = ["HELP", "add_arguments", "handle"]
 
@@ -53,7 +54,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                                  "(default: 1,2,4,8)")
     parser.add_argument("--precision-mode", choices=PRECISION_MODES, metavar="MODE",
                         help=f"ATC --precision_mode: {', '.join(PRECISION_MODES)} (default: ATC's)")
-    parser.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
+    add_json_arguments(parser, "the report", old_file_option=True)
 
 
 def _names(text: str | None, option: str) -> list[str] | None:
@@ -87,7 +88,7 @@ def handle(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as exc:
         raise usage_error(f"--atc: {exc}") from exc
     check_output(args.onnx, "--onnx")
-    check_output(args.json, "--json")
+    to_stdout, json_path = json_outputs(args)
     check_device(args.device, "--device")
     factory = load_factory(args.target)
     try:
@@ -98,22 +99,31 @@ def handle(args: argparse.Namespace) -> int:
                       device=args.device or "cpu", rtol=args.rtol, atol=args.atol)
     except (TargetError, ExportError, ImportError, ValueError, TypeError) as exc:
         raise usage_error(str(exc)) from exc
-    report.print()
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(json.dumps(report.to_dict(), indent=2) + "\n")
+    if not to_stdout:
+        report.print()
+    if to_stdout or json_path:
+        write_json(json.dumps(report.to_dict(), indent=2), to_stdout, json_path)
     code = 0 if report.ok else 1
     if args.atc:
         try:
             script = atc.write_atc_script(args.onnx, **atc_options)
         except ValueError as exc:
             raise usage_error(f"--atc: {exc}") from exc
-        print(f"ATC command written to {script}")
-        returned = atc.run_atc(script)
-        if returned is None:
-            print(f"atc is not on PATH here. On the Ascend machine, copy {args.onnx} and {script} together, then:\n"
-                  f"  source /usr/local/Ascend/ascend-toolkit/set_env.sh\n  sh {script}")
-        elif returned != 0:
-            print(f"atc failed (exit {returned}); its messages are above")
-            code = 1
+        with stdout_to_stderr(to_stdout):  # with --json, stdout holds only the JSON
+            code = _atc(args, script, code)
+    return code
+
+
+def _atc(args: argparse.Namespace, script: object, code: int) -> int:
+    """Run the ATC script where atc is installed, or say how to; the exit code, 1 when atc failed."""
+    from ..export import atc
+
+    print(f"ATC command written to {script}")
+    returned = atc.run_atc(script)
+    if returned is None:
+        print(f"atc is not on PATH here. On the Ascend machine, copy {args.onnx} and {script} together, then:\n"
+              f"  source /usr/local/Ascend/ascend-toolkit/set_env.sh\n  sh {script}")
+    elif returned != 0:
+        print(f"atc failed (exit {returned}); its messages are above")
+        return 1
     return code

@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 
+from .output import add_json_arguments, json_outputs, write_json
+
 __all__ = ["HELP", "add_arguments", "handle"]
 
 HELP = "show the fused kernels: op x device x chosen implementation (TORCHPORT_KERNELS forces a choice)"
@@ -15,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", action="append", metavar="D",
                         help="a device to show, e.g. 'npu' or 'cuda:1' (repeatable; default: cpu and every "
                              "accelerator present)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON on stdout, nothing else")
+    add_json_arguments(parser, "the rows")
 
 
 def handle(args: argparse.Namespace) -> int:
@@ -23,6 +25,7 @@ def handle(args: argparse.Namespace) -> int:
     from ..device import resolve
     from ..kernels import table
 
+    to_stdout, json_path = json_outputs(args)
     try:
         devices = None
         if args.device:
@@ -30,8 +33,9 @@ def handle(args: argparse.Namespace) -> int:
         rows = table(devices)
     except (ValueError, RuntimeError) as exc:
         raise argparse.ArgumentError(None, str(exc)) from exc
-    if args.json:
-        print(json.dumps(rows, indent=2))
+    if to_stdout or json_path:
+        write_json(json.dumps(rows, indent=2), to_stdout, json_path)
+    if to_stdout:
         return 0
     from rich.console import Console
     from rich.table import Table

@@ -7,6 +7,8 @@ import argparse
 import json
 from typing import Any
 
+from .output import add_json_arguments, json_outputs, write_json
+
 __all__ = ["HELP", "add_arguments", "handle", "render_table"]
 
 HELP = "show the memory tiers (device, host RAM, disk) with sizes and measured copy and read bandwidths"
@@ -18,21 +20,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--size", default="256MiB", metavar="BYTES",
                         help="bytes moved per measurement, e.g. '256MiB' (default), '1GiB'")
     parser.add_argument("--iterations", type=int, default=3, metavar="N", help="timed repetitions (default 3)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON on stdout, nothing else")
+    add_json_arguments(parser, "the results")
 
 
 def handle(args: argparse.Namespace) -> int:
     """Measure and print; a bad argument is a usage error (exit 2)."""
     from ..offload import measure_stack, parse_budget
 
+    to_stdout, json_path = json_outputs(args)
     try:
         size = parse_budget(args.size, None, name="--size")
         stack = measure_stack(args.device, args.disk_dir, size=size, iterations=args.iterations)
     except ValueError as exc:
         raise argparse.ArgumentError(None, str(exc)) from exc
-    if args.json:
-        print(json.dumps(stack, indent=2))
-    else:
+    if to_stdout or json_path:
+        write_json(json.dumps(stack, indent=2), to_stdout, json_path)
+    if not to_stdout:
         from rich.console import Console
 
         render_table(stack, Console())

@@ -9,6 +9,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from .output import add_json_arguments, check_output, json_outputs, write_json
+
 __all__ = ["DTYPES", "HELP", "add_arguments", "cast", "check_device", "check_output", "handle", "load_factory",
            "read_input", "usage_error"]
 
@@ -50,31 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                                                    "torchport.verify.TOLERANCES)")
     parser.add_argument("--atol", type=float, help="absolute tolerance (default: per dtype)")
     parser.add_argument("--backward", action="store_true", help="also compare every parameter's gradient")
-    parser.add_argument("--json", metavar="OUT", help="write the report as JSON to this file")
+    add_json_arguments(parser, "the report", old_file_option=True)
     parser.add_argument("--plot", metavar="OUT.png", help="write the relative error by layer as a PNG (matplotlib)")
 
 
 def usage_error(message: str) -> argparse.ArgumentError:
     """The error :func:`torchport.cli.main.main` prints as one line and exits 2 for."""
     return argparse.ArgumentError(None, message)
-
-
-def check_output(path: str | None, option: str) -> None:
-    """Fail before any work when an output file cannot be written where asked."""
-    if path is None:
-        return
-    folder = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(folder):
-        raise usage_error(f"{option} {path!r}: folder {folder!r} does not exist")
-    if os.path.isdir(path):
-        raise usage_error(f"{option} {path!r} is a folder; give a file name")
-    if option == "--plot":
-        from ..verify.plot import require_matplotlib
-
-        try:
-            require_matplotlib()
-        except ImportError as exc:
-            raise usage_error(f"--plot: {exc}") from exc
 
 
 def load_factory(target: str) -> Callable[..., Any]:
@@ -167,7 +151,7 @@ def handle(args: argparse.Namespace) -> int:
 
     from ..verify import ModelError, StructureError, compare
 
-    check_output(args.json, "--json")
+    to_stdout, json_path = json_outputs(args)
     check_output(args.plot, "--plot")
     factory = load_factory(args.target)
     check_device(args.device, "--device")
@@ -182,10 +166,10 @@ def handle(args: argparse.Namespace) -> int:
         return 1
     except ValueError as exc:  # a tolerance or dtype compare cannot work with
         raise usage_error(str(exc)) from exc
-    report.print()
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as f:
-            f.write(report.to_json() + "\n")
+    if not to_stdout:
+        report.print()
+    if to_stdout or json_path:
+        write_json(report.to_json(), to_stdout, json_path)
     if args.plot:
         report.plot(args.plot)
     return 0 if report.ok else 1

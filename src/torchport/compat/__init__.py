@@ -80,10 +80,11 @@ def unpatch() -> None:
         patcher = _state.pop("patcher", None)
         guard = _state.pop("guard", None)
         _state.pop("target", None)
-        if patcher is not None:
-            patcher.restore()
+        failures = patcher.restore() if patcher is not None else []
         if guard is not None and guard in sys.meta_path:
             sys.meta_path.remove(guard)
+        if failures:
+            raise RuntimeError(f"torchport.compat.unpatch could not put back: {'; '.join(failures)}")
 
 
 def is_patched() -> bool:

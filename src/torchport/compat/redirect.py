@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
-from collections.abc import Callable
 from types import FrameType
 from typing import Any
 
 import torch
 
+from .._patching import Journal as Patcher  # swaps attributes and puts back exactly what was there
 from ..backends import Backend
 from .report import Recorder
 
@@ -142,39 +141,3 @@ class Target:
                 self.recorder.record(api)
             return self.device(value)
         return self.map(value, api)
-
-
-_MISSING = object()
-
-
-class Patcher:
-    """Swaps attributes and puts back exactly what was there (or removes what was not)."""
-
-    def __init__(self) -> None:
-        self._saved: list[tuple[Any, str, Any]] = []
-        self.lock = threading.RLock()
-
-    def set(self, owner: Any, name: str, value: Any) -> None:
-        original = owner.__dict__.get(name, _MISSING) if hasattr(owner, "__dict__") else getattr(owner, name)
-        self._saved.append((owner, name, original))
-        setattr(owner, name, value)
-
-    def wrap(self, owner: Any, name: str, make: Callable[[Any], Any]) -> None:
-        """Replace ``owner.name`` by ``make(current)``; skipped when this torch has no such attribute."""
-        current = getattr(owner, name, _MISSING)
-        if current is not _MISSING:
-            self.set(owner, name, make(current))
-
-    def restore(self) -> None:
-        for owner, name, original in reversed(self._saved):
-            if original is _MISSING:
-                try:
-                    delattr(owner, name)
-                except AttributeError:
-                    pass
-            else:
-                setattr(owner, name, original)
-        self._saved.clear()
-
-    def patched(self) -> list[tuple[Any, str]]:
-        return [(owner, name) for owner, name, _ in self._saved]

@@ -28,26 +28,24 @@ from typing import Any
 
 from torch import nn
 
+from .._patching import MISSING, Journal, SharedPatches
 from . import ops
 from .families import FAMILIES, Family
+from .._unwrap import peel
 
 __all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "patched_families", "supported", "unpatch",
            "unpatch_transformers"]
 
 logger = logging.getLogger("torchport")
 
-
-
-class _MISSING:  # "no such attribute"; a class, so copy.deepcopy keeps its identity
-    pass
-
+_MISSING = MISSING  # the name models pickled by earlier versions refer to
 _FLAGS = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
 _KERNELS = {"cross_entropy": "cross_entropy", "fused_linear_cross_entropy": "fused_linear_cross_entropy"}
 
 _lock = threading.RLock()
 # Shared attributes (a class's forward, a module's function) -> original value and who holds the patch:
 # ("transformers", family) for patch_transformers, the id of a model for patch(model, rope=True).
-_shared: dict[tuple[int, str], tuple[Any, str, Any, set[Any]]] = {}
+_shared = SharedPatches()
 _models: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
@@ -99,35 +97,15 @@ def _flags(given: dict[str, bool]) -> dict[str, bool]:
     return flags
 
 
-def _set(owner: Any, attr: str, value: Any) -> None:
-    if value is _MISSING:
-        if isinstance(owner, (type, types.ModuleType)):
-            delattr(owner, attr)
-        else:
-            owner.__dict__.pop(attr, None)
-    elif isinstance(owner, (type, types.ModuleType)):
-        setattr(owner, attr, value)
-    else:
-        owner.__dict__[attr] = value  # past nn.Module.__setattr__: a plain instance attribute
-
-
 def _hold(owner: Any, attr: str, make: Callable[[Any], Any], holder: Any) -> None:
     """Patch a shared attribute once (``make(original)`` -> replacement) and count ``holder`` among its users."""
-    key = (id(owner), attr)
-    if key not in _shared:
-        original = vars(owner).get(attr, _MISSING)
-        _set(owner, attr, make(getattr(owner, attr, None)))
-        _shared[key] = (owner, attr, original, set())
-    _shared[key][3].add(holder)
+    with _lock:
+        _shared.hold(owner, attr, make, holder)
 
 
 def _release(holder: Any) -> None:
     with _lock:
-        for key, (owner, attr, original, holders) in list(_shared.items()):
-            holders.discard(holder)
-            if not holders:
-                _set(owner, attr, original)
-                del _shared[key]
+        _shared.release(holder)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,13 +155,13 @@ class _Forward:
 
 
 class _Record:
-    """What :func:`patch` changed on one model: ``(owner, attr, previous value)`` entries, and the shared
-    attributes (rope: ``(module name, function name)``) it holds. Kept in the model's ``__dict__``; a deep copy or
-    an unpickled copy of the model (a reference model, an EMA copy, ``torch.load`` of a saved one) is a patched
-    model of its own, with its own record and holds."""
+    """What :func:`patch` changed on one model: a journal of the attributes it set (``(owner, attr, previous
+    value)``), and the shared attributes (rope: ``(module name, function name)``) it holds. Kept in the model's
+    ``__dict__``; a deep copy or an unpickled copy of the model (a reference model, an EMA copy, ``torch.load`` of a
+    saved one) is a patched model of its own, with its own record and holds."""
 
-    def __init__(self, model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[str, str]]) -> None:
-        self.saved, self.shared = saved, shared
+    def __init__(self, model: nn.Module, journal: Journal, shared: list[tuple[str, str]]) -> None:
+        self.journal, self.shared = journal, shared
         self.model = weakref.ref(model)
         # A model dropped without unpatch() still gives back its holds on shared attributes.
         self.finalizer = weakref.finalize(model, _release, id(model))
@@ -192,38 +170,29 @@ class _Record:
     def __reduce__(self) -> tuple[Any, ...]:
         # The model is made (and memoised) before its __dict__, which holds this record, is copied or loaded: the
         # copy's modules own the saved entries, and the copy takes holds of its own.
-        return _restore_record, (self.model(), self.saved, self.shared)
+        return _restore_record, (self.model(), self.journal.attrs(), self.shared)
 
 
 def _restore_record(model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[str, str]]) -> _Record:
     with _lock:
         for module_name, attr in shared:
             _hold(importlib.import_module(module_name), attr, ops.make_rope, id(model))
-        return _Record(model, saved, list(shared))
+        return _Record(model, Journal(saved), list(shared))
 
 
 def _unwrap(model: Any) -> nn.Module:
     """The transformers model inside PEFT-style wrappers (``wrapper.base_model.model``)."""
-    from transformers import PreTrainedModel
-
-    seen = set()
-    while not isinstance(model, PreTrainedModel) and id(model) not in seen:
-        seen.add(id(model))
-        inner = getattr(getattr(model, "base_model", None), "model", None)
-        if inner is None:
-            break
-        model = inner
-    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+    inner = peel(model)
+    if not isinstance(inner, nn.Module) or not hasattr(inner, "config"):
         raise TypeError(
             f"torchport.patch: expected a transformers model (or a PEFT wrapper of one), got {type(model).__name__}"
         )
-    return model
+    return inner
 
 
 def _original(cls: type, attr: str = "forward") -> Any:
     """``cls.attr`` as transformers defines it, even while patch_transformers holds it."""
-    saved = _shared.get((id(cls), attr))
-    return getattr(cls, attr) if saved is None else saved[2]
+    return _shared.original(cls, attr)
 
 
 def _defines_forward(module: nn.Module, cls: type) -> bool:
@@ -276,12 +245,8 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
     family = _family(getattr(inner.config, "model_type", None))
     with _lock:
         _unpatch_model(inner)
-        saved: list[tuple[Any, str, Any]] = []
-
-        def put(owner: Any, attr: str, value: Any) -> None:
-            saved.append((owner, attr, owner.__dict__.get(attr, _MISSING)))
-            _set(owner, attr, value)
-
+        journal = Journal()
+        put = journal.set
         model_type = inner.config.model_type
         norm_cls = _resolve(family, family.norm.cls)
         mlp_cls = _resolve(family, family.mlp.cls)
@@ -309,7 +274,7 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         if flags["rope"]:
             _hold(importlib.import_module(family.module), family.rope, ops.make_rope, id(inner))
             shared.append((family.module, family.rope))
-        inner.__dict__["_torchport_patch"] = _Record(inner, saved, shared)
+        inner.__dict__["_torchport_patch"] = _Record(inner, journal, shared)
         logger.info("torchport.patch: %s (%s): %d norms, %d MLPs, flags %s", type(inner).__name__,
                     inner.config.model_type, counts["rms_norm"], counts["mlp"],
                     ", ".join(flag for flag, on in flags.items() if on))
@@ -370,7 +335,7 @@ def patched_families() -> list[str]:
         ['llama']
     """
     with _lock:
-        holders = set().union(*(entry[3] for entry in _shared.values())) if _shared else set()
+        holders = _shared.holders()
     return sorted(name for kind, name in (h for h in holders if isinstance(h, tuple)) if kind == "transformers")
 
 
@@ -397,12 +362,14 @@ def unpatch_transformers(model_type: str | None = None) -> list[str]:
 
 def _unpatch_model(inner: nn.Module) -> None:
     record = inner.__dict__.pop("_torchport_patch", None)
+    failures = []
     if record is not None:
-        for owner, attr, value in reversed(record.saved):
-            _set(owner, attr, value)
+        failures = record.journal.restore()
         record.finalizer.detach()
     _release(id(inner))
     _models.discard(inner)
+    if failures:
+        raise RuntimeError(f"torchport.unpatch: {type(inner).__name__} could not get back: {'; '.join(failures)}")
 
 
 def unpatch(model: Any = None) -> Any:

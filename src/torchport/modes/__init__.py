@@ -42,26 +42,44 @@ Example:
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
 from .. import _settings
+from .._unwrap import transformers_model
 from ..device import DeviceLike, resolve
 from ..device import device as default_device
-from . import process, steps
+from . import memory, process, steps
 from .journal import Journal
 from .report import Change, Report
+from .steps import StepContext
+
+Step = Callable[[StepContext], None]
 
 __all__ = ["MODES", "Change", "Report", "active", "disable", "enable"]
 
 logger = logging.getLogger("torchport")
 
 MODES = _settings.MODES
+
+# What each mode does, in order: to a model given to enable(mode, model), and to the process without one. Each step
+# takes the StepContext and adds one report row.
+MODEL_STEPS: dict[str, tuple[Step, ...]] = {
+    "balanced": (steps.step_dtype, steps.step_attention, steps.step_kernels),
+    "speed": (steps.step_dtype, steps.step_attention, steps.step_tf32, steps.step_compile, steps.step_kernels),
+    "memory": (steps.step_dtype, steps.step_attention, steps.step_kernels, memory.step_quantize,
+               memory.step_checkpointing, memory.step_placement),
+}
+PROCESS_STEPS: dict[str, tuple[Step, ...]] = {
+    "balanced": (process.step_transformers,),
+    "speed": (process.step_transformers, steps.step_tf32, steps.note_compile),
+    "memory": (process.step_transformers, memory.note_placement),
+}
 
 
 @dataclasses.dataclass
@@ -142,7 +160,7 @@ def enable(mode: str | None = None, model: nn.Module | None = None, *, device: D
             report = _enable_model(mode, model, present, example, budget, journal) if model is not None else \
                 _enable_process(mode, present, journal)
         except BaseException:
-            failures = journal.run()
+            failures = journal.restore()
             if failures:
                 logger.error("torchport.enable: undoing a failed enable left %d problem(s): %s", len(failures),
                              "; ".join(failures))
@@ -163,41 +181,22 @@ def _enable_model(mode: str, model: nn.Module, present: torch.device, example: A
     where = steps.placement(model)
     # memory mode places a model that is on the host; the other modes leave the model where it is
     target = present if mode == "memory" and (where is None or where.type == "cpu") else where or present
-    hf = steps.transformers_model(model)
     report = Report(mode, type(model).__name__, str(target))
     if target.type == "cpu" and present.type != "cpu":
         report.add("device", "cpu", "cpu", f"{present} is present: move the model there first "
                    "(model.to(torchport.device())); enable applies the cpu's choices", changed=False)
-    steps.step_dtype(mode, model, target, journal, report)
-    steps.step_attention(hf, target, journal, report)
-    compiled = False
-    if mode == "speed":
-        steps.step_tf32(target, journal, report)
-        compiled = steps.step_compile(model, hf, example, where or target, journal, report)
-    steps.step_kernels(model, hf, report, journal,
-                       "left to the compiler (patched forwards break dynamo's graph)" if compiled else None)
-    if mode == "memory":
-        steps.step_quantize(model, hf, target, journal, report)
-        steps.step_checkpointing(model, hf, journal, report)
-        steps.step_placement(model, where, target, budget, journal, report)
+    ctx = StepContext(mode, target, journal, report, model=model, hf=transformers_model(model), where=where,
+                      example=example, budget=budget)
+    for step in MODEL_STEPS[mode]:
+        step(ctx)
     return report
 
 
 def _enable_process(mode: str, target: torch.device, journal: Journal) -> Report:
-    report = Report(mode, "process", str(target))
-    if importlib.util.find_spec("transformers") is None:
-        report.add("transformers models", "-", "-", "transformers is not installed")
-    else:
-        process.step_classes(journal, report)
-        process.step_hook(target, journal, report)
-        process.step_from_pretrained(mode, target, journal, report)
-    if mode == "speed":
-        steps.step_tf32(target, journal, report)
-        report.add("compile", "eager", "eager", "speed mode compiles the model given to enable(mode, model)")
-    if mode == "memory":
-        report.add("placement", "as the program places models", "as the program places models",
-                   "offload needs the model: enable('memory', model) or torchport.offload(model, budget)")
-    return report
+    ctx = StepContext(mode, target, journal, Report(mode, "process", str(target)))
+    for step in PROCESS_STEPS[mode]:
+        step(ctx)
+    return ctx.report
 
 
 def disable() -> Report | None:
@@ -218,7 +217,7 @@ def disable() -> Report | None:
         if _active is None:
             return None
         current, _active = _active, None
-        failures = current.journal.run()
+        failures = current.journal.restore()
     if failures:
         raise RuntimeError(f"torchport.disable: {len(failures)} change(s) of {current.report.mode!r} mode could not "
                            f"be undone: {'; '.join(failures)}")

@@ -8,11 +8,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import _patching
+from .._patching import MISSING as Missing  # the one "no value" marker: a key or attribute that did not exist
+
 __all__ = ["Journal", "Missing"]
-
-
-class Missing:
-    """No entry (a key that did not exist before)."""
 
 
 class _Parked:
@@ -36,79 +35,29 @@ class _Parked:
         return self._restored
 
 
-def _on_device(value: Any) -> bool:
-    return isinstance(value, torch.Tensor) and value.device.type not in ("cpu", "meta")
-
-
-class Journal:
+class Journal(_patching.Journal):
     """Every change :func:`enable` made, in order, and how to put it back: dictionary entries (a module's
     ``_parameters``, ``_buffers``, ``_modules`` or ``__dict__``, a class's attributes) with their first value, and
-    undo functions. Tensors that lived on a device are parked in host memory until they are put back."""
+    undo functions. Tensors that lived on a device are parked in host memory until they are put back (a mode that
+    moves or casts weights would otherwise keep the device copies alive)."""
 
     def __init__(self) -> None:
-        self._steps: list[Callable[[], None]] = []
-        self._recorded: set[tuple[int, Any]] = set()
+        super().__init__()
         self._parked: dict[int, _Parked] = {}  # id(original) -> parked copy, while enable runs
 
-    def undo(self, step: Callable[[], None]) -> None:
-        """Run ``step`` when the mode is disabled (steps run last-registered first)."""
-        self._steps.append(step)
-
-    def remember(self, table: dict, key: Any) -> None:
-        """Keep ``table[key]`` as it is now, to put it back at disable (only the first value counts)."""
-        slot = (id(table), key)
-        if slot in self._recorded:
-            return
-        self._recorded.add(slot)
-        original = table.get(key, Missing)
-        if _on_device(original):
-            parked = self._parked.get(id(original))
-            if parked is None:
-                parked = self._parked[id(original)] = _Parked(original)
-            saved: Callable[[], Any] = parked.restore
-        else:
-            saved = lambda: original  # noqa: E731 - a host tensor (or any value) comes back by identity
-        self._steps.append(lambda: _put(table, key, saved()))
-
-    def set(self, table: dict, key: Any, value: Any) -> None:
-        """``table[key] = value`` (``Missing`` deletes the key), remembering the first value."""
-        self.remember(table, key)
-        _put(table, key, value)
-
-    def set_attr(self, owner: Any, name: str, value: Any) -> None:
-        """``owner.name = value`` for a class or module object, remembering the first value."""
-        original = owner.__dict__.get(name, Missing)
-        self._steps.append(lambda: _put_attr(owner, name, original))
-        setattr(owner, name, value)
+    def _keep(self, original: Any) -> Callable[[], Any]:
+        if not (isinstance(original, torch.Tensor) and original.device.type not in ("cpu", "meta")):
+            return super()._keep(original)  # a host tensor (or any value) comes back by identity
+        parked = self._parked.get(id(original))
+        if parked is None:
+            parked = self._parked[id(original)] = _Parked(original)
+        return parked.restore
 
     def settled(self) -> None:
         """enable finished: originals no longer live under their ids."""
         self._parked.clear()
 
-    def run(self) -> list[str]:
-        """Undo every change, last first; returns the failures (each is tried)."""
-        failures = []
-        while self._steps:
-            step = self._steps.pop()
-            try:
-                step()
-            except Exception as exc:  # keep undoing the rest; the caller reports what failed
-                failures.append(f"{type(exc).__name__}: {exc}")
-        self._recorded.clear()
+    def restore(self) -> list[str]:
+        failures = super().restore()
         self._parked.clear()
         return failures
-
-
-def _put(table: dict, key: Any, value: Any) -> None:
-    if value is Missing:
-        table.pop(key, None)
-    else:
-        table[key] = value
-
-
-def _put_attr(owner: Any, name: str, value: Any) -> None:
-    if value is Missing:
-        if name in owner.__dict__:
-            delattr(owner, name)
-    else:
-        setattr(owner, name, value)

@@ -6,6 +6,8 @@ import math
 import re
 from typing import Union
 
+from .._bytes import format_bytes  # noqa: F401 - part of this module's API
+
 __all__ = ["Budget", "UNITS", "format_bytes", "parse_budget"]
 
 Budget = Union[int, float, str]
@@ -66,18 +68,3 @@ def parse_budget(value: Budget, free: int | None = None, *, name: str = "budget"
             raise _reject(name, value, "is less than one byte")
         return int(number)
     raise _reject(name, value, f"is a {type(value).__name__}")
-
-
-def format_bytes(n: int | float | None) -> str:
-    """Bytes in binary units with three significant digits.
-
-    Example:
-        >>> format_bytes(3 * 2**30)
-        '3.00 GiB'
-    """
-    if n is None:
-        return "-"
-    for unit, size in (("TiB", 1024**4), ("GiB", 1024**3), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.3g} {unit}" if n / size >= 100 else f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"

@@ -28,6 +28,7 @@ from typing import Union
 import torch
 from torch import nn
 
+from .._bytes import weight_bytes
 from .formats import FORMATS, Format, QuantizationError, get_format, list_formats
 from .linear import QuantizedLinear
 
@@ -64,22 +65,6 @@ def quantized_modules(model: nn.Module) -> dict[str, QuantizedLinear]:
         {'layers.0.mlp.up_proj': 'int4', ...}
     """
     return {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, quantised layers counted by their codes and scales.
-
-    Example:
-        >>> weight_bytes(quantize(model, "int4")) / weight_bytes(original)
-    """
-    seen: set[int] = set()
-    total = 0
-    for t in [*model.parameters(), *model.buffers()]:
-        if t.data_ptr() in seen and t.numel():
-            continue
-        seen.add(t.data_ptr())
-        total += t.numel() * t.element_size()
-    return total
 
 
 def _select(model: nn.Module, modules: Selector) -> list[tuple[str, nn.Linear]]:

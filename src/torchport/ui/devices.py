@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from .._bytes import format_bytes
 from ..backends import get_backend
 from ..bench.timing import is_simulated
 from ..device import devices
@@ -23,21 +24,6 @@ __all__ = ["HISTORY_S", "REFRESH_S", "MemoryHistory", "device_rows", "format_byt
 REFRESH_S = 1.0
 HISTORY_S = 120.0
 GIB = 2**30
-
-
-def format_bytes(n: int | None) -> str:
-    """A byte count in binary units, ``"-"`` for None.
-
-    Example:
-        >>> format_bytes(3 * 2**30), format_bytes(None)
-        ('3.00 GiB', '-')
-    """
-    if n is None:
-        return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{n} B"
 
 
 @functools.lru_cache(maxsize=None)
