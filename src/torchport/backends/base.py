@@ -300,22 +300,9 @@ class Backend:
         return DtypeProbe(dtype, works, error, ms, note)
 
     # -- deployment ------------------------------------------------------------------------------------------------
-    #: The onnxruntime package whose execution provider runs ONNX models on this device type.
-    onnxruntime_package: ClassVar[str] = "onnxruntime"
-
-    def onnx_providers(self, index: int, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        """onnxruntime execution providers for device ``index``, best first, each with its provider options;
-        ``options`` are the caller's options for the device's own provider. Here: the CPU provider, which takes
-        none."""
-        if options:
-            raise ValueError(f"onnxruntime's CPUExecutionProvider takes no provider options here; got "
-                             f"{', '.join(sorted(options))}")
-        return [("CPUExecutionProvider", {})]
-
-    def soc_version(self, index: int) -> str | None:
-        """The chip name that Ascend's ATC model compiler takes as ``--soc_version``, or None for devices that
-        are not Ascend NPUs."""
-        return None
+    #: The onnxruntime execution provider that runs ONNX models on this device type (:mod:`torchport.export.runtime`
+    #: knows its package and options).
+    onnx_provider: ClassVar[str] = "CPUExecutionProvider"
 
     # -- operators -------------------------------------------------------------------------------------------------
     #: The dispatcher key of this device's kernels (``"CUDA"``, ``"PrivateUse1"``...), None when it has none.
