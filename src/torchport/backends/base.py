@@ -9,12 +9,8 @@ synchronize functions refuse to run ("Allocator for npu is not a DeviceAllocator
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-import math
 import os
 import threading
-import time
 import types
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -22,37 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from .. import _settings
+from .dtype_probe import PROBED_DTYPES, DtypeProbe, probe
 
 __all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES"]
-
-logger = logging.getLogger("torchport")
-
-PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Largest max-abs error of softmax(a @ b / 8) on 64x96x80 normal inputs against a float64 host result that still
-# counts as working. Measured on CPU (torch 2.13): fp32 6.4e-7, bf16 3.4e-3, fp16 2.8e-4; the bounds leave a wide margin for
-# other accumulation orders while catching a dtype that silently computes garbage or saturates.
-_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeProbe:
-    """The result of running a small matmul + softmax in one dtype on one device."""
-
-    dtype: torch.dtype
-    works: bool
-    max_error: float | None
-    ms: float | None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "works": self.works,
-            "max_error": self.max_error,
-            "ms": self.ms,
-            "error": self.error,
-        }
-
 
 class Backend:
     """One device type. Instances are made and cached by the registry (``torchport.backends.get_backend``)."""
@@ -244,10 +212,11 @@ class Backend:
         return True
 
     def dtype_probes(self, index: int) -> dict[torch.dtype, DtypeProbe]:
-        """Run (once per device, then cached) a small matmul + softmax in each of fp32, bf16 and fp16."""
+        """Run (once per device, then cached) a small matmul + softmax in each of fp32, bf16 and fp16
+        (:func:`torchport.backends.dtype_probe.probe`)."""
         with self._probe_lock:
             if index not in self._probes:
-                self._probes[index] = {dtype: self._probe(dtype, index) for dtype in PROBED_DTYPES}
+                self._probes[index] = {dtype: probe(self, dtype, index) for dtype in PROBED_DTYPES}
             return self._probes[index]
 
     def preferred_dtype(self, index: int, probe: bool | None = None) -> torch.dtype:
@@ -274,30 +243,6 @@ class Backend:
         if not (_settings.get().probe if probe is None else probe):
             return self.claims_dtype(dtype, index)
         return self.dtype_probes(index)[dtype].works
-
-    def _probe(self, dtype: torch.dtype, index: int) -> DtypeProbe:
-        # host tensors, even inside a ``with torch.device(...)`` block that sets another default device
-        gen = torch.Generator().manual_seed(1234)
-        a = torch.randn(64, 96, generator=gen, device="cpu")
-        b = torch.randn(96, 80, generator=gen, device="cpu")
-        expected = torch.softmax(a.double() @ b.double() / 8, dim=-1)
-        device = self.device(index)
-        try:
-            x, y = a.to(device, dtype), b.to(device, dtype)
-            torch.softmax(x @ y / 8, dim=-1)  # warm-up: first launches compile or load kernels
-            self.synchronize(index)
-            start = time.perf_counter()
-            out = torch.softmax(x @ y / 8, dim=-1)
-            self.synchronize(index)
-            ms = (time.perf_counter() - start) * 1e3
-            error = (out.to("cpu", torch.float64) - expected).abs().max().item()
-        except Exception as exc:  # a dtype the device lacks fails in many ways; all of them mean "does not work"
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            logger.debug("dtype probe %s on %s failed: %s", dtype, device, reason)
-            return DtypeProbe(dtype, False, None, None, reason)
-        works = math.isfinite(error) and error <= _PROBE_TOLERANCE[dtype]
-        note = None if works else f"max error {error:.3g} exceeds {_PROBE_TOLERANCE[dtype]:g}"
-        return DtypeProbe(dtype, works, error, ms, note)
 
     # -- deployment ------------------------------------------------------------------------------------------------
     #: The onnxruntime execution provider that runs ONNX models on this device type (:mod:`torchport.export.runtime`
