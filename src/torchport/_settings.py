@@ -27,7 +27,8 @@ Variables:
 ``TORCHPORT_KERNELS``
     Which implementation the kernels of :mod:`torchport.kernels` use: ``auto`` (default: the best one for the
     tensor's device, falling back to the reference with a warning when it fails), or a forced one, ``reference``,
-    ``triton`` or ``npu`` (a forced implementation that cannot run raises). Per-op choices follow, comma-separated:
+    ``triton``, ``npu`` or another registered implementation such as ``chunked`` (a forced implementation that
+    cannot run raises). Per-op choices follow, comma-separated:
     ``rms_norm=reference,rope=triton``; a bare mode among them sets the default for the other ops
     (``triton,rope=reference``).
 ``TORCHPORT_LOG``
@@ -59,7 +60,7 @@ import re
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-__all__ = ["KERNEL_MODES", "LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -100,7 +101,6 @@ VARIABLES: dict[str, str] = {
     "mode": "TORCHPORT_MODE",
 }
 
-KERNEL_MODES = ("auto", "reference", "triton", "npu")
 LOG_TOPICS = ("compile", "kernels", "fallback")
 #: The modes of :func:`torchport.enable`.
 MODES = ("speed", "balanced", "memory")
@@ -223,10 +223,19 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
             raise ValueError(f"{source}={value!r}: {op!r} is not an op name; write op=mode, e.g. rms_norm=reference")
         elif op in choice:
             raise ValueError(f"{source}={value!r} sets {op!r} twice")
-        if mode not in KERNEL_MODES:
-            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: {', '.join(KERNEL_MODES)}")
+        if mode != "auto" and mode not in _kernel_modes():
+            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: "
+                             f"{', '.join(_kernel_modes())}")
         choice[op] = mode
     return choice
+
+
+def _kernel_modes() -> tuple[str, ...]:
+    # "auto" and every registered implementation's name; asked only for a forced mode, so that importing torchport
+    # does not import the kernels
+    from .kernels.registry import kernel_modes
+
+    return kernel_modes()
 
 
 def value(name: str) -> Any:
