@@ -108,7 +108,7 @@ def _import_ops() -> None:
             importlib.import_module(f"{__package__}.{info.name}")
 
 
-_specs: Registry[OpSpec] = Registry("kernel op", load=_import_ops, unknown="unknown kernel {label}")
+_specs: Registry[OpSpec] = Registry("kernel op", load=_import_ops, origin=lambda spec: spec.call.__module__)
 _ops: dict[str, dict[str, Implementation]] = {}
 _lock = threading.RLock()
 _broken: dict[tuple[str, str, str], str] = {}  # (op, implementation, device type) -> why it failed to load/compile
