@@ -8,7 +8,6 @@ import warnings
 import pytest
 import torch
 
-from torchport.backends import get_backend
 from torchport.compat import cpu_fallback
 from torchport.compat.cpu_fallback import calls, explain_missing_op, registered
 from torchport.compat.report import Recorder
