@@ -28,12 +28,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import llama_step  # noqa: E402
 
 CONTENDERS = ("eager", "inductor", "torchport", "patched", "torchport-no-fusion", "torchport-ce-only")
-# the torchport backend with some of its kernel-fusion passes switched off or on, to see what each contributes
-_FUSIONS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy")
-_VARIANTS = {
-    "torchport-no-fusion": {name: False for name in _FUSIONS},
-    "torchport-ce-only": {name: name == "cross_entropy" for name in _FUSIONS},
-}
+
+
+def _variants() -> dict[str, dict[str, bool]]:
+    """The torchport backend with some of its kernel-fusion passes switched off or on, to see what each
+    contributes (the fusion passes are those that swap a subgraph for a torchport op)."""
+    from torchport.compile import passes
+
+    fusions = [p.name for p in passes.list_passes() if p.fusion]
+    return {"torchport-no-fusion": {name: False for name in fusions},
+            "torchport-ce-only": {name: name == "cross_entropy" for name in fusions}}
 
 
 def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int) -> dict[str, Any]:
@@ -47,8 +51,8 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
         forward = torch.compile(model)
     elif name == "torchport":
         forward = torch.compile(model, backend="torchport")
-    elif name in _VARIANTS:
-        forward = torch.compile(model, backend="torchport", options={"passes": _VARIANTS[name]})
+    elif name in ("torchport-no-fusion", "torchport-ce-only"):
+        forward = torch.compile(model, backend="torchport", options={"passes": _variants()[name]})
     elif name == "patched":
         torchport.patch(model)
     result = llama_step.measure(model, forward, shape, device, steps, warmup)

@@ -1,4 +1,5 @@
-"""Fused kernels against their peers: RMSNorm, LayerNorm, SwiGLU, GeGLU, RoPE, cross-entropy, linear + cross-entropy.
+"""Fused kernels against their peers: RMSNorm, LayerNorm, SwiGLU, GeGLU, RoPE, cross-entropy, linear + CE, and every
+other op of torchport.kernels (against its reference).
 
 For each op, in one process on one device: eager PyTorch written as HF modeling code writes it, torch.compile of
 that same function, liger-kernel (when importable) and torchport.kernels (forced to its Triton kernels on CUDA;
@@ -24,229 +25,50 @@ import dataclasses
 import json
 import math
 import os
-import platform
-import statistics
 import sys
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from kernel_peers import (  # noqa: E402
+    cross_entropy_eager, geglu_eager, layer_norm_eager, linear_cross_entropy_eager, liger, rms_norm_eager, rope_eager,
+    swiglu_eager)
+from kernel_report import _finite, device_name, git_commit, plot, print_table, versions  # noqa: E402
+from kernel_timing import Device, kernel_mode  # noqa: E402
 
-# The fewest bytes each op must move for one forward + backward, e = bytes per element (bf16: 2). Weight and bias
-# vectors (a few KiB against hundreds of MiB) are left out. These are the roofline numerators of BENCHMARKS.md.
-#   RMSNorm    fwd: read x, write y; bwd: read x and dy, write dx                 5 * x.numel() * e
-#   LayerNorm  the same five passes                                               5 * x.numel() * e
-#   SwiGLU     fwd: read a, b, write c (3); bwd: read a, b, dc, write da, db (5)  8 * a.numel() * e
-#   GeGLU      as SwiGLU                                                          8 * a.numel() * e
-#   RoPE       fwd: read q, k, write q, k; bwd: read dq, dk, write dq, dk         4 * (q.numel() + k.numel()) * e
-#              plus cos and sin, read once in each pass                           + 4 * cos.numel() * e
-#   CE         fwd: read logits once; bwd: write d logits (the loss is a scalar)  2 * logits.numel() * e
-#              (torchport's kernel computes d logits in the forward, reading each row a second time — from L2
-#              when it fits; with loss.backward() the backward then moves nothing)
-#   linear+CE  FLOP-bound, 3 matmuls of 2*N*H*V FLOPs (logits, d hidden, d weight): 6*N*H*V FLOPs; bytes here
-#              are only the tensors read and written once: hidden, weight, their gradients
-#                                                                               2 * (h.numel() + w.numel()) * e
-#              (torchport's fused op runs 4 such matmuls, logits twice, to hold no more than its workspace; the
-#              TFLOP/s printed for this op count the unfused op's 6*N*H*V for every contender)
+# The ops, their input shapes (sizes "benchmark" and, for --small, "smoke"), inputs and the fewest bytes (and, for
+# matmuls, FLOPs) one forward + backward must move come from each op's spec in torchport/kernels/<op>.py; the
+# peers (kernel_peers.py: eager as HF modeling code writes it, liger-kernel) and the targets are this benchmark's
+# own. An op without an eager version there is compared with torchport's reference.
 
 
-def rms_norm_bytes(x: torch.Tensor, weight: torch.Tensor) -> int:
-    return 5 * x.numel() * x.element_size()
-
-
-def layer_norm_bytes(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> int:
-    return 5 * x.numel() * x.element_size()
-
-
-def glu_bytes(gate: torch.Tensor, up: torch.Tensor) -> int:
-    return 8 * gate.numel() * gate.element_size()
-
-
-def rope_bytes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
-    return 4 * (q.numel() + k.numel()) * q.element_size() + 4 * cos.numel() * cos.element_size()
-
-
-def cross_entropy_bytes(logits: torch.Tensor, target: torch.Tensor) -> int:
-    return 2 * logits.numel() * logits.element_size()
-
-
-def linear_cross_entropy_bytes(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
-    return 2 * (hidden.numel() + weight.numel()) * hidden.element_size()
-
-
-def linear_cross_entropy_flops(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> int:
-    return 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0]
-
-
-# --- eager versions, as HF modeling code writes them ---------------------------------------------------------------
-
-def rms_norm_eager(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    # LlamaRMSNorm.forward: statistics in float32, cast back before the weight
-    dtype = x.dtype
-    h = x.to(torch.float32)
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
-    return weight * h.to(dtype)
-
-
-def layer_norm_eager(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    return F.layer_norm(x, (x.shape[-1],), weight, bias, 1e-5)
-
-
-def swiglu_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
-
-
-def geglu_eager(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.gelu(gate, approximate="tanh") * up
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_eager(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # apply_rotary_pos_emb with unsqueeze_dim=1: cos, sin [batch, seq, dim] broadcast over heads
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
-
-
-def cross_entropy_eager(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    # transformers' ForCausalLMLoss: upcast the logits, then F.cross_entropy with ignore_index=-100
-    return F.cross_entropy(logits.float(), target, ignore_index=-100)
-
-
-def linear_cross_entropy_eager(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(F.linear(hidden, weight).float(), target, ignore_index=-100)
-
-
-# --- inputs --------------------------------------------------------------------------------------------------------
-
-def _randn(shape: Sequence[int], dtype: torch.dtype, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    return torch.randn(tuple(shape), dtype=torch.float32, device=device, generator=gen).to(dtype)
-
-
-def norm_inputs(dims, dtype, device, gen, bias: bool):
-    rows, hidden = dims
-    x = _randn((rows, hidden), dtype, device, gen)
-    weight = (1 + 0.1 * _randn((hidden,), torch.float32, device, gen)).to(dtype)
-    args = [x, weight] + ([0.1 * _randn((hidden,), dtype, device, gen)] if bias else [])
-    return tuple(args), (_randn((rows, hidden), dtype, device, gen),)
-
-
-def glu_inputs(dims, dtype, device, gen):
-    return (_randn(dims, dtype, device, gen), _randn(dims, dtype, device, gen)), (_randn(dims, dtype, device, gen),)
-
-
-def rope_inputs(dims, dtype, device, gen):
-    batch, q_heads, kv_heads, seq, head_dim = dims
-    q = _randn((batch, q_heads, seq, head_dim), dtype, device, gen)
-    k = _randn((batch, kv_heads, seq, head_dim), dtype, device, gen)
-    # as LlamaRotaryEmbedding: one angle per position and frequency, emb = cat(freqs, freqs), then cos and sin
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
-    positions = torch.arange(seq, dtype=torch.float32, device=device).expand(batch, seq)
-    freqs = positions[:, :, None] * inv_freq[None, None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    grads = (_randn(q.shape, dtype, device, gen), _randn(k.shape, dtype, device, gen))
-    return (q, k, emb.cos().to(dtype), emb.sin().to(dtype)), grads
-
-
-def _targets(rows: int, vocab: int, device: torch.device, gen: torch.Generator) -> torch.Tensor:
-    target = torch.randint(0, vocab, (rows,), device=device, generator=gen)
-    target[::16] = -100  # some padding, as a batch of uneven sequences has
-    return target
-
-
-def cross_entropy_inputs(dims, dtype, device, gen):
-    rows, vocab = dims
-    logits = 2 * _randn((rows, vocab), dtype, device, gen)
-    return (logits, _targets(rows, vocab, device, gen)), (torch.ones((), dtype=dtype, device=device),)
-
-
-def linear_cross_entropy_inputs(dims, dtype, device, gen):
-    rows, hidden, vocab = dims
-    h = _randn((rows, hidden), dtype, device, gen)
-    w = (_randn((vocab, hidden), torch.float32, device, gen) / hidden**0.5).to(dtype)
-    return (h, w, _targets(rows, vocab, device, gen)), (torch.ones((), dtype=dtype, device=device),)
-
-
-# --- contenders ----------------------------------------------------------------------------------------------------
-
-def _liger(op: str) -> Callable:
-    """liger-kernel's autograd Function for ``op`` (0.8.5 signatures; apply() takes positional arguments only)."""
-    if op == "rms_norm":
-        from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-        # liger's defaults, as its LigerRMSNorm module uses them: casting_mode="llama", in_place=True (dx into dy)
-        return lambda x, w: LigerRMSNormFunction.apply(x, w, 1e-6, 0.0, "llama", True)
-    if op == "layer_norm":
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, 1e-5)
-    if op == "swiglu":
-        from liger_kernel.ops.swiglu import LigerSiLUMulFunction
-
-        return LigerSiLUMulFunction.apply  # backward writes da, db into a, b
-    if op == "geglu":
-        from liger_kernel.ops.geglu import LigerGELUMulFunction
-
-        return LigerGELUMulFunction.apply  # backward writes da, db into a, b
-    if op == "rope":
-        from liger_kernel.ops.rope import LigerRopeFunction
-
-        return LigerRopeFunction.apply
-    if op == "cross_entropy":
-        from liger_kernel.ops.cross_entropy import LigerCrossEntropyFunction
-
-        # (input, target, weight, ignore_index, lse_square_scale, label_smoothing, reduction, ...) -> 4-tuple;
-        # it writes the gradient into the logits
-        return lambda logits, t: LigerCrossEntropyFunction.apply(logits, t, None, -100, 0.0, 0.0, "mean")[0]
-    if op == "fused_linear_cross_entropy":
-        from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
-
-        # (input, weight, target, bias, ce_weight, ignore_index, lse_square_scale, label_smoothing, reduction, ...)
-        return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t, None, None, -100, 0.0, 0.0,
-                                                                          "mean")[0]
-    raise ValueError(op)
-
-
-def _torchport(op: str, in_place: bool) -> Callable:
-    from torchport import kernels
-
-    if op == "rms_norm":
-        return lambda x, w: kernels.rms_norm(x, w, eps=1e-6, **({"in_place": True} if in_place else {}))
-    if op == "layer_norm":
-        return lambda x, w, b: kernels.layer_norm(x, w, b, eps=1e-5)
-    if op in ("swiglu", "geglu"):
-        fn = getattr(kernels, op)
-        return (lambda a, b: fn(a, b, in_place=True)) if in_place else fn
-    if op == "rope":
-        return kernels.rope
-    if op == "cross_entropy":
-        return (lambda x, t: kernels.cross_entropy(x, t, in_place=True)) if in_place else kernels.cross_entropy
-    if op == "fused_linear_cross_entropy":
+def _torchport(op: Op, in_place: bool) -> Callable:
+    """torchport's public function for ``op`` (its spec's), with ``in_place=True`` for the in-place row."""
+    if op.name == "fused_linear_cross_entropy":
         # a float32 loss, as eager's (and Hugging Face's) upcast logits give and liger returns; same cost
-        return lambda h, w, t: kernels.fused_linear_cross_entropy(h, w, t, loss_dtype=torch.float32)
-    raise ValueError(op)
+        return lambda h, w, t: op.call(h, w, t, loss_dtype=torch.float32)
+    return (lambda *args: op.call(*args, in_place=True)) if in_place else op.call
 
 
 @dataclasses.dataclass(frozen=True)
 class Op:
     name: str
     title: str
-    shape: tuple[int, ...]        # BENCHMARKS.md
-    small: tuple[int, ...]        # --small
+    shape: tuple[int, ...]        # the spec's "benchmark" size
+    small: tuple[int, ...]        # --small: its "smoke" size
     make: Callable                # (dims, dtype, device, generator) -> (args, upstream grads)
     eager: Callable
     bytes_moved: Callable
+    flops: Callable | None
     target: float                 # speedup over the fastest peer
     arg_names: tuple[str, ...]
     out_names: tuple[str, ...]
     differentiable: int           # the leading arguments that need a gradient (RoPE: q, k; not cos, sin)
     in_place: bool                # torchport has an in_place=True variant
+    call: Callable                # torchport's public function
 
     def describe(self, dims: tuple[int, ...]) -> str:
         if self.name == "rope":
@@ -258,24 +80,61 @@ class Op:
         return f"{self.title} {'×'.join(map(str, dims))}"
 
 
-OPS = {op.name: op for op in (
-    Op("rms_norm", "RMSNorm", (8192, 4096), (256, 512), lambda *a: norm_inputs(*a, bias=False), rms_norm_eager,
-       rms_norm_bytes, 2.0, ("x", "weight"), ("y",), 2, True),
-    Op("layer_norm", "LayerNorm", (8192, 4096), (256, 512), lambda *a: norm_inputs(*a, bias=True), layer_norm_eager,
-       layer_norm_bytes, 1.5, ("x", "weight", "bias"), ("y",), 3, False),
-    Op("swiglu", "SwiGLU", (8192, 14336), (256, 512), glu_inputs, swiglu_eager, glu_bytes, 1.2,
-       ("gate", "up"), ("y",), 2, True),
-    Op("geglu", "GeGLU", (8192, 14336), (256, 512), glu_inputs, geglu_eager, glu_bytes, 1.2,
-       ("gate", "up"), ("y",), 2, True),
-    Op("rope", "RoPE", (4, 32, 8, 2048, 128), (2, 4, 2, 64, 32), rope_inputs, rope_eager, rope_bytes, 1.2,
-       ("q", "k", "cos", "sin"), ("q", "k"), 2, False),
-    Op("cross_entropy", "cross-entropy", (8192, 128256), (256, 32003), cross_entropy_inputs, cross_entropy_eager,
-       cross_entropy_bytes, 1.8, ("logits", "target"), ("loss",), 1, True),
-    # target: no slower than eager (1.0×) with peak memory <= liger's
-    Op("fused_linear_cross_entropy", "linear + CE", (8192, 4096, 128256), (256, 64, 1000), linear_cross_entropy_inputs,
-       linear_cross_entropy_eager, linear_cross_entropy_bytes, 1.0, ("hidden", "weight", "target"), ("loss",), 2,
-       False),
-)}
+# op -> (eager version, target speedup over the fastest peer, output names). Targets: RMSNorm >= 2.0x, LayerNorm
+# >= 1.5x, SwiGLU, GeGLU, RoPE >= 1.2x; cross-entropy >= 1.8x; linear + CE no slower than eager (1.0x) with peak
+# memory <= liger's.
+PEER_OPS: dict[str, tuple[Callable, float, tuple[str, ...]]] = {
+    "rms_norm": (rms_norm_eager, 2.0, ("y",)),
+    "layer_norm": (layer_norm_eager, 1.5, ("y",)),
+    "swiglu": (swiglu_eager, 1.2, ("y",)),
+    "geglu": (geglu_eager, 1.2, ("y",)),
+    "rope": (rope_eager, 1.2, ("q", "k")),
+    "cross_entropy": (cross_entropy_eager, 1.8, ("loss",)),
+    "fused_linear_cross_entropy": (linear_cross_entropy_eager, 1.0, ("loss",)),
+}
+
+
+def _inputs(spec: Any) -> Callable:
+    def make(dims, dtype, device, gen):
+        host = spec.make(gen, *dims)
+        args = tuple(t.to(device, dtype) if t.is_floating_point() else t.to(device) for t in host)
+        with torch.no_grad(), kernel_mode("reference"):
+            outs = _as_tuple(spec.call(*args))
+        grads = tuple(torch.ones((), dtype=dtype, device=device) if o.dim() == 0
+                      else torch.randn(o.shape, generator=gen).to(device, dtype) for o in outs)
+        return args, grads
+    return make
+
+
+def _reference_of(spec: Any) -> Callable:
+    import torchport
+
+    def eager(*args):
+        with torchport.settings.override(kernels=f"{spec.name}=reference"):
+            return spec.call(*args)
+    return eager
+
+
+def _ops() -> dict[str, Op]:
+    import inspect
+
+    from torchport.kernels.registry import list_specs
+
+    specs = list_specs()
+    ops = {}
+    for name, spec in sorted(specs.items(), key=lambda item: list(PEER_OPS).index(item[0]) if item[0] in PEER_OPS
+                             else len(PEER_OPS)):
+        eager, target, outs = PEER_OPS.get(name, (_reference_of(spec), 1.0, ("out",)))
+        count = len(spec.make(None, *spec.sizes["test"]))
+        arg_names = tuple(list(inspect.signature(spec.call).parameters)[:count])
+        ops[name] = Op(name, spec.title, spec.sizes["benchmark"], spec.sizes["smoke"], _inputs(spec), eager,
+                       spec.bytes_moved, spec.flops, target, arg_names, outs, spec.differentiable, spec.in_place,
+                       spec.call)
+    return ops
+
+
+OPS = _ops()
+
 CONTENDERS = ("eager", "compile", "liger", "torchport", "torchport-inplace")
 PEERS = ("eager", "compile", "liger")
 LABELS = {"eager": "eager", "compile": "torch.compile", "liger": "liger-kernel", "torchport": "torchport",
@@ -285,141 +144,6 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 # --- measuring -----------------------------------------------------------------------------------------------------
-
-class Device:
-    """Timing and peak memory on one device: Triton's do_bench on CUDA, a synchronised median elsewhere."""
-
-    def __init__(self, device: torch.device, warmup_ms: float, rep_ms: float) -> None:
-        self.device, self.warmup_ms, self.rep_ms = device, warmup_ms, rep_ms
-        self.do_bench = None
-        if device.type == "cuda":
-            from triton.testing import do_bench
-
-            self.do_bench = do_bench
-
-    def synchronize(self) -> None:
-        if self.device.type != "cpu":
-            torch.accelerator.synchronize(self.device)
-
-    def median_ms(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor],
-                  restore: Callable[[], None] | None = None) -> float:
-        """Median ms of ``fn``; ``restore`` (untimed) rewrites inputs that ``fn`` overwrites before each call."""
-        if self.do_bench is not None and restore is None:
-            # clears the L2 cache before every repetition and the listed .grad, as a training step would find them
-            return float(self.do_bench(fn, warmup=self.warmup_ms, rep=self.rep_ms, grad_to_none=list(grad_to_none),
-                                       return_mode="median"))
-        if self.device.type == "cuda":
-            return self._cuda_events_ms(fn, grad_to_none, restore)
-        import torchport
-
-        def once() -> float:
-            if restore is not None:
-                restore()
-            for t in grad_to_none:
-                t.grad = None
-            with torchport.Timer(self.device) as timer:
-                fn()
-            return timer.ms
-
-        estimate = max(once(), 1e-3)
-        for _ in range(min(100, max(1, int(self.warmup_ms / estimate)))):
-            once()
-        return statistics.median(once() for _ in range(min(1000, max(5, int(self.rep_ms / estimate)))))
-
-    def _cuda_events_ms(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor],
-                        restore: Callable[[], None]) -> float:
-        """do_bench's loop (L2 flush, .grad reset, CUDA events, median) with ``restore`` before each repetition, for
-        contenders that write gradients over their inputs: timing them on their own gradients would, after a few
-        hundred repetitions, time them on denormals and zeros."""
-        flush = torch.empty(256 * 2**20 // 4, dtype=torch.int32, device=self.device)  # as do_bench: 256 MB
-
-        def once(start: torch.cuda.Event, end: torch.cuda.Event) -> None:
-            restore()
-            for t in grad_to_none:
-                t.grad = None
-            flush.zero_()
-            start.record()
-            fn()
-            end.record()
-
-        def run(count: int) -> list[float]:
-            events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-                      for _ in range(count)]
-            for start, end in events:
-                once(start, end)
-            torch.cuda.synchronize(self.device)
-            return [start.elapsed_time(end) for start, end in events]
-
-        estimate = max(statistics.median(run(5)), 1e-3)
-        run(max(1, int(self.warmup_ms / estimate)))
-        return statistics.median(run(max(1, int(self.rep_ms / estimate))))
-
-    def graph_ms(self, fn: Callable[[], Any], grad_to_none: Sequence[torch.Tensor]) -> float | None:
-        """Median ms of one replay of ``fn`` captured in a CUDA graph: the GPU time alone, without the host's
-        launch overhead (which, at these sizes, is longer than the kernels on this machine's CPU). None off CUDA."""
-        if self.device.type != "cuda":
-            return None
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                for t in grad_to_none:
-                    t.grad = None
-                fn()
-        torch.cuda.current_stream(self.device).wait_stream(side)
-        for t in grad_to_none:
-            t.grad = None
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()  # the .grad tensors made here are rewritten in place by every replay
-        ms = float(self.do_bench(graph.replay, warmup=self.warmup_ms, rep=self.rep_ms, return_mode="median"))
-        for t in grad_to_none:
-            t.grad = None
-        del graph
-        return ms
-
-    def peak_mib(self, fn: Callable[[], Any], grads_of: Sequence[torch.Tensor]) -> float | None:
-        """Most memory allocated during one call beyond what was allocated before it (None on the CPU)."""
-        if self.device.type == "cpu":
-            return None
-        for t in grads_of:
-            t.grad = None
-        self.synchronize()
-        before = torch.accelerator.memory_allocated(self.device)
-        torch.accelerator.reset_peak_memory_stats(self.device)
-        fn()
-        self.synchronize()
-        peak = torch.accelerator.max_memory_allocated(self.device) - before
-        for t in grads_of:
-            t.grad = None
-        return peak / 2**20
-
-    def copy_gbps(self, nbytes: int) -> float:
-        """Device-to-device copy bandwidth, counting bytes read plus written."""
-        src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device=self.device).normal_()
-        dst = torch.empty_like(src)
-        ms = self.median_ms(lambda: dst.copy_(src), ())
-        return 2 * nbytes / (ms * 1e-3) / 1e9
-
-
-@contextlib.contextmanager
-def kernel_mode(mode: str) -> Iterator[None]:
-    """Force torchport's kernel implementation, in code and in the environment: the CUDA autograd engine runs
-    backward on its own thread, which sees the environment but not this thread's settings.override."""
-    import torchport
-
-    saved = os.environ.get("TORCHPORT_KERNELS")
-    os.environ["TORCHPORT_KERNELS"] = mode
-    try:
-        with torchport.settings.override(kernels=mode):
-            yield
-    finally:
-        if saved is None:
-            del os.environ["TORCHPORT_KERNELS"]
-        else:
-            os.environ["TORCHPORT_KERNELS"] = saved
-
-
 def _as_tuple(out: Any) -> tuple[torch.Tensor, ...]:
     return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
@@ -505,11 +229,11 @@ def contender_fn(op: Op, name: str) -> tuple[Callable | None, str | None]:
         if name == "compile":
             return torch.compile(op.eager), None
         if name == "liger":
-            return _liger(op.name), None
+            return liger(op.name), None
         if name == "torchport":
-            return _torchport(op.name, in_place=False), None
+            return _torchport(op, in_place=False), None
         if name == "torchport-inplace":
-            return (_torchport(op.name, in_place=True), None) if op.in_place else (None, None)
+            return (_torchport(op, in_place=True), None) if op.in_place else (None, None)
     except Exception as exc:  # noqa: BLE001 - reported as the contender's row
         return None, f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
     raise ValueError(name)
@@ -537,14 +261,14 @@ def bench_op(op: Op, dims, contenders, dtype, dev: Device, ceiling_gbps: float, 
         with scope:
             rows.append(measure(op, name, fn, args, grads, ref, dev, TOLERANCE[dtype]))
         dev.synchronize()
-    flops = linear_cross_entropy_flops(*args) if op.name == "fused_linear_cross_entropy" else None
+    flops = op.flops(*args) if op.flops is not None else None
     for row in rows:
         if row.get("median_ms"):
             row["gbps"] = nbytes / (row["median_ms"] * 1e-3) / 1e9
             row["pct_ceiling"] = 100 * row["gbps"] / ceiling_gbps
             if flops:
                 row["tflops"] = flops / (row["median_ms"] * 1e-3) / 1e12
-                print(f"  {LABELS[row['contender']]:<19} {row['tflops']:.1f} TFLOP/s counting 6·N·H·V")
+                print(f"  {LABELS[row['contender']]:<19} {row['tflops']:.1f} TFLOP/s (the op spec's FLOP count)")
     judge(op, rows)
     return {"op": op.name, "title": op.describe(dims), "dims": list(dims), "bytes_moved": nbytes,
             "ideal_ms": nbytes / ceiling_gbps / 1e6, "target_speedup": op.target, "rows": rows}
@@ -580,89 +304,6 @@ def judge(op: Op, rows: list[dict]) -> None:
 
 # --- output --------------------------------------------------------------------------------------------------------
 
-def _fmt(value: Any, spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
-def table_rows(result: dict) -> list[list[str]]:
-    out = []
-    for r in result["rows"]:
-        target = ""
-        if "speedup" in r:
-            target = f"≥{result['target_speedup']:.1f}×: {r['time_target']}"
-            if "gpu_speedup" in r:
-                target += f" (GPU time {r['gpu_speedup']:.2f}×)"
-            if "memory_target" in r:
-                target += f"; ≤{r['lowest_peer_mib']:.0f} MiB: {r['memory_target']}"
-        out.append([r["label"], _fmt(r.get("median_ms"), ".3f"), _fmt(r.get("gpu_ms"), ".3f"), _fmt(r.get("gbps"), ".0f"),
-                    _fmt(r.get("pct_ceiling"), ".1f"), _fmt(r.get("peak_mib"), ".1f"), _fmt(r.get("rel_err"), ".1e"),
-                    r["status"], _fmt(r.get("speedup"), ".2f"), target])
-    return out
-
-
-HEADERS = ["contender", "median ms", "GPU ms (graph)", "GB/s", "% ceiling", "peak MiB", "rel err", "status", "speedup", "target"]
-
-
-def print_table(result: dict) -> None:
-    title = (f"{result['title']} — fwd+bwd, {result['bytes_moved'] / 1e6:.1f} MB at the least, "
-             f"{result['ideal_ms']:.4f} ms at the copy ceiling")
-    errors = [f"  {r['label']}: {r['error']}" for r in result["rows"] if r["status"] == "error"]
-    try:
-        from rich.console import Console
-        from rich.table import Table
-    except ImportError:
-        print(f"\n{title}\n| " + " | ".join(HEADERS) + " |\n|" + "---|" * len(HEADERS))
-        for cells in table_rows(result):
-            print("| " + " | ".join(cells) + " |")
-        print("\n".join(errors))
-        return
-    table = Table(title=title, title_justify="left")
-    for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="right" if 0 < i < 6 or i == 7 else "left")
-    for row, cells in zip(result["rows"], table_rows(result)):
-        table.add_row(*cells, style="bold" if row["contender"].startswith("torchport") else None)
-    console = Console(width=160)
-    console.print(table)
-    if errors:
-        console.print("\n".join(errors), highlight=False, markup=False)
-
-
-def plot(results: list[dict], path: str, title: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no chart")
-        return
-    results = [r for r in results if any(row.get("median_ms") for row in r["rows"])]
-    if not results:
-        print("nothing timed: no chart")
-        return
-    fig, axes = plt.subplots(len(results), 1, figsize=(8, 1.0 + 1.6 * len(results)), squeeze=False)
-    for ax, result in zip(axes[:, 0], results):
-        rows = [r for r in result["rows"] if r.get("median_ms")]
-        labels = [r["label"] + (" (FAIL)" if r["status"] == "FAIL" else "") for r in rows]
-        values = [r["median_ms"] for r in rows]
-        colors = ["tab:orange" if r["contender"].startswith("torchport") else "tab:gray" for r in rows]
-        ax.barh(labels, values, color=colors)
-        for y, v in enumerate(values):
-            ax.text(v, y, f" {v:.3f}", va="center", fontsize=8)
-        ax.axvline(result["ideal_ms"], color="tab:blue", linestyle="--", linewidth=1, label="copy ceiling")
-        ax.invert_yaxis()
-        ax.set_title(result["title"], fontsize=9, loc="left")
-        ax.set_xlabel("median ms, forward + backward", fontsize=8)
-        ax.tick_params(labelsize=8)
-        ax.set_xlim(0, max(values + [result["ideal_ms"]]) * 1.2)
-    axes[0, 0].legend(fontsize=8, loc="lower right")
-    fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
 def torchport_choices(device: torch.device, mode: str) -> dict[str, str] | str:
     """The implementation torchport picks for each op on ``device`` under ``mode`` (or why that is unknown)."""
     try:
@@ -672,52 +313,6 @@ def torchport_choices(device: torch.device, mode: str) -> dict[str, str] | str:
             return {row["op"]: row["implementation"] for row in torchport.kernels.table([device])}
     except Exception as exc:  # noqa: BLE001 - informative only
         return f"{type(exc).__name__}: {exc}".splitlines()[0][:300]
-
-
-def _finite(value: Any) -> Any:
-    """JSON without NaN/Infinity: non-finite floats become strings."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return str(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
-
-
-def git_commit() -> str | None:
-    import subprocess
-
-    try:
-        def run(*cmd: str) -> str:
-            return subprocess.run(cmd, cwd=HERE, capture_output=True, text=True, check=True).stdout.strip()
-
-        return run("git", "rev-parse", "--short", "HEAD") + (" (modified)" if run("git", "status", "--porcelain") else "")
-    except (OSError, subprocess.CalledProcessError):
-        return None
-
-
-def versions() -> dict[str, str | None]:
-    from importlib import metadata
-
-    found: dict[str, str | None] = {"python": platform.python_version(), "torch": torch.__version__}
-    for dist in ("triton", "liger-kernel", "torchport"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            found[dist] = None
-    if found["torchport"] is None:
-        with contextlib.suppress(ImportError):
-            import torchport
-
-            found["torchport"] = torchport.__version__
-    return found
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"{device.type} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
 def main() -> None:

@@ -121,7 +121,7 @@ def test_info_and_memory_are_plain_data(device: torch.device) -> None:
 
 def test_info_without_probes_runs_no_kernel(monkeypatch: pytest.MonkeyPatch, device: torch.device) -> None:
     backend = get_backend(device.type)
-    monkeypatch.setattr(backend, "_probe", lambda *a: pytest.fail("probe ran"))
+    monkeypatch.setattr("torchport.backends.base.probe", lambda *a: pytest.fail("probe ran"))
     monkeypatch.setattr(backend, "_probes", {})
     entry = next(d for d in torchport.info(probe=False)["devices"] if d["device"] == str(device))
     assert "dtype_probes" not in entry

@@ -26,14 +26,12 @@ import re
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["KERNEL_MODES", "LOG_TOPICS", "MODES", "ROWS", "Row", "Settings", "VARIABLES", "cache_dir", "environment",
+__all__ = ["LOG_TOPICS", "MODES", "ROWS", "Row", "Settings", "VARIABLES", "cache_dir", "environment",
            "get", "kernel_modes", "logging_enabled", "markdown_table", "override", "parse_device_spec", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
 _BOOLEAN = {"1": True, "true": True, "yes": True, "on": True, "0": False, "false": False, "no": False, "off": False}
-#: The implementations ``TORCHPORT_KERNELS`` can force, as :func:`kernel_modes` answers today.
-KERNEL_MODES = ("auto", "reference", "triton", "npu")
 LOG_TOPICS = ("compile", "kernels", "fallback")
 #: The modes of :func:`torchport.enable`.
 MODES = ("speed", "balanced", "memory")
@@ -41,13 +39,16 @@ _OP_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
 def kernel_modes() -> tuple[str, ...]:
-    """The kernel modes ``TORCHPORT_KERNELS`` accepts: the one place its row asks (the fixed :data:`KERNEL_MODES`).
+    """The kernel modes ``TORCHPORT_KERNELS`` accepts: ``auto`` and every implementation the kernel registry has.
+    The one place its row asks; it imports the kernels, so it is called only for a mode other than ``auto``.
 
     Example:
         >>> kernel_modes()[0]
         'auto'
     """
-    return KERNEL_MODES
+    from .kernels.registry import kernel_modes as registered
+
+    return registered()
 
 
 def parse_device_spec(spec: str, source: str = "device") -> tuple[str, int | None]:
@@ -162,7 +163,6 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
         items = [f"{op}={mode}" if op != "*" else str(mode) for op, mode in value.items()]
     else:
         items = [item.strip() for item in str(value).split(",")]
-    modes = kernel_modes()
     choice = {"*": "auto"}
     default_seen = False
     for item in items:
@@ -178,8 +178,9 @@ def _parse_kernels(value: Any, source: str) -> dict[str, str]:
             raise ValueError(f"{source}={value!r}: {op!r} is not an op name; write op=mode, e.g. rms_norm=reference")
         elif op in choice:
             raise ValueError(f"{source}={value!r} sets {op!r} twice")
-        if mode not in modes:
-            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: {', '.join(modes)}")
+        if mode != "auto" and mode not in kernel_modes():
+            raise ValueError(f"{source}={value!r}: {mode!r} is not a kernel mode; valid modes: "
+                             f"{', '.join(kernel_modes())}")
         choice[op] = mode
     return choice
 

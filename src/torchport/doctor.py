@@ -170,7 +170,9 @@ def _check_package(package: str) -> Outcome:
         return False, f"not installed, and torchport needs it: pip install {package}", {"version": None}
     install, needed_for = OPTIONAL_PACKAGES[package]
     if install is None:  # onnxruntime: the build with the execution provider of this machine's first device
-        install = get_backend(devices()[0].type).onnxruntime_package
+        from .export.runtime import onnxruntime_package
+
+        install = onnxruntime_package(get_backend(devices()[0].type))
     detail = f"not installed: pip install {install} (needed only for {needed_for})"
     return SKIPPED, detail, {"version": None, "install": f"pip install {install}"}
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from torchport.backends import get_backend
-from torchport.backends.base import PROBED_DTYPES
+from torchport.backends.dtype_probe import PROBED_DTYPES, probe
 
 
 def _backend(device: torch.device):
@@ -100,7 +100,7 @@ def test_dtype_probes(device: torch.device) -> None:
 def test_probe_inside_a_default_device_block(device: torch.device) -> None:
     b, i = _backend(device)
     with torch.device(device):  # models are often built this way; the probe makes its inputs on the host
-        assert b._probe(torch.float32, i).works
+        assert probe(b, torch.float32, i).works
 
 
 def test_a_broken_dtype_fails_its_probe(device: torch.device, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -112,7 +112,7 @@ def test_a_broken_dtype_fails_its_probe(device: torch.device, monkeypatch: pytes
         return out.round() if x.dtype == torch.float16 else out  # a device that "computes" fp16 wrongly
 
     monkeypatch.setattr(torch, "softmax", saturating_softmax)
-    result = b._probe(torch.float16, i)
+    result = probe(b, torch.float16, i)
     assert not result.works and "exceeds" in result.error
 
 

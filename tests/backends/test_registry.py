@@ -17,7 +17,7 @@ def test_unknown_type_names_what_exists() -> None:
 
 
 def test_register_rejects_duplicates_and_mismatched_names(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(backends, "_backends", dict(backends._backends))
+    monkeypatch.setattr(backends, "_backends", backends._backends.copy())
     monkeypatch.setattr(backends, "_instances", dict(backends._instances))
 
     @register_backend("fakedev")

@@ -8,10 +8,10 @@ import warnings
 import pytest
 import torch
 
-from torchport.backends import get_backend
 from torchport.compat import cpu_fallback
 from torchport.compat.cpu_fallback import calls, explain_missing_op, registered
 from torchport.compat.report import Recorder
+from torchport.compile.op_support import device_op_support
 from torchport.testing import unsupported_ops
 
 transformers = pytest.importorskip("transformers")
@@ -51,7 +51,7 @@ def _loss_and_grads(model: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Te
 def test_a_missing_operator_fails_as_the_dispatcher_fails_and_the_error_says_what_to_do(sim) -> None:
     x = torch.full((3,), 0.5, device=sim)
     with unsupported_ops({"aten::erfinv"}):
-        assert get_backend("npu").op_support("aten::erfinv") == "missing"
+        assert device_op_support("npu", "aten::erfinv") == "missing"
         with pytest.raises(NotImplementedError, match=r"^Could not run 'aten::erfinv' with arguments from the "
                                                       r"'PrivateUse1' backend\.") as caught:
             x.erfinv()
@@ -67,7 +67,7 @@ def test_a_missing_operator_fails_as_the_dispatcher_fails_and_the_error_says_wha
 def test_torch_npu_fallback_mode_warns_like_torch_npu_and_runs(sim) -> None:
     x = torch.full((3,), 0.5, device=sim)
     with unsupported_ops(["aten::erfinv"], torch_npu_fallback=True):
-        assert get_backend("npu").op_support("aten::erfinv") == "host"
+        assert device_op_support("npu", "aten::erfinv") == "host"
         with pytest.warns(UserWarning, match="CAUTION: The operator 'aten::erfinv' is not currently supported on the "
                                              "NPU backend and will fall back to run on the CPU"):
             y = x.erfinv()

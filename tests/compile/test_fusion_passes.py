@@ -28,7 +28,7 @@ from transformers.loss.loss_utils import ForCausalLMLoss  # noqa: E402
 from transformers.models.gemma import modeling_gemma  # noqa: E402
 from transformers.models.llama import modeling_llama  # noqa: E402
 
-FUSION_PASSES = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy")
+FUSION_PASSES = tuple(p.name for p in passes.list_passes() if p.fusion)  # each swaps in one op's custom op
 TRAINING = passes.PassContext(torch.device("cpu"), training=True)
 # ||after - before|| / ||before||: float32 differs only in the order of operations; bfloat16 in where it rounds
 # (the kernels round once, from float32, where the eager graph rounds after every op).

@@ -139,15 +139,16 @@ def test_session_falls_back_to_cpu_with_one_warning(npu, tmp_path, caplog, monke
 
 def test_provider_options_are_checked(npu) -> None:
     from torchport.backends import get_backend
+    from torchport.export.runtime import device_providers
 
     backend = get_backend("npu")
-    name, options = backend.onnx_providers(0, {"precision_mode": "must_keep_origin_dtype"})[0]
+    name, options = device_providers(backend, 0, {"precision_mode": "must_keep_origin_dtype"})[0]
     assert name == "CANNExecutionProvider" and options["device_id"] == 0
     assert options["precision_mode"] == "must_keep_origin_dtype" and options["op_select_impl_mode"]
     with pytest.raises(ValueError, match="no option 'precision'"):
-        backend.onnx_providers(0, {"precision": "fp16"})
+        device_providers(backend, 0, {"precision": "fp16"})
     with pytest.raises(ValueError, match="valid: force_fp32"):
-        backend.onnx_providers(0, {"precision_mode": "fp16"})
+        device_providers(backend, 0, {"precision_mode": "fp16"})
     with pytest.raises(ValueError, match="takes no provider options"):
         export.providers("cpu", device_id=0)
-    assert get_backend("cuda").onnx_providers(1, {})[0] == ("CUDAExecutionProvider", {"device_id": 1})
+    assert device_providers(get_backend("cuda"), 1, {})[0] == ("CUDAExecutionProvider", {"device_id": 1})

@@ -15,11 +15,11 @@ import torch
 
 import torchport
 from torchport.backends import get_backend
-from torchport.kernels import registry
+from torchport.kernels import registry, spec
 
-# Largest relative error ||out - ref|| / ||ref|| against a float64 reference, per dtype of the tensors under test.
-# bf16 keeps 8 bits (one rounding of the output costs up to 2^-9 = 2e-3 per element), fp16 11 bits (2^-12 = 2.4e-4).
-TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+# Largest relative error ||out - ref|| / ||ref|| against a float64 reference, per dtype of the tensors under test:
+# the op specs' default (torchport.kernels.spec.TOLERANCE says why).
+TOLERANCE = spec.TOLERANCE
 
 
 @contextlib.contextmanager

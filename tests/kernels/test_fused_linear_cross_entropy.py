@@ -78,9 +78,6 @@ def run(impl, hidden, weight, t, bias, smoothing, reduction, divisor=None, **opt
     n_valid = check_targets("test", t, weight.shape[0], IGNORE)
     args = (hidden, weight, t, bias, IGNORE, smoothing, reduction, divisor, n_valid,
             options.get("z_loss", 0.0), options.get("softcap"), options.get("loss_dtype"))
-    if impl == "chunked":  # chosen by auto mode only (TORCHPORT_KERNELS names reference, triton, npu)
-        with forced("auto"):
-            return registry.implementation(OP, impl).fn(*args)
     return call(OP, impl, *args)
 
 

@@ -137,3 +137,16 @@ def test_kernels_command(capsys):
     assert "rms_norm" in capsys.readouterr().out
     assert main(["kernels", "--device", "gpu"]) == 2
     assert "--device='gpu' is not a device type" in capsys.readouterr().err
+
+
+def test_every_registered_implementation_can_be_forced() -> None:
+    assert {"auto", "reference", "triton", "npu", "chunked"} <= set(registry.kernel_modes())
+    h, w = torch.randn(5, 8), torch.randn(11, 8)
+    target = torch.randint(0, 11, (5,))
+    with torchport.settings.override(kernels="fused_linear_cross_entropy=chunked"):
+        assert registry.select("fused_linear_cross_entropy", torch.device("cpu")).name == "chunked"
+        loss = torchport.kernels.fused_linear_cross_entropy(h, w, target)
+    torch.testing.assert_close(loss, torch.nn.functional.cross_entropy(h @ w.T, target))
+    with pytest.raises(ValueError, match=r"'fast' is not a kernel mode; valid modes: auto, chunked, npu, reference"):
+        with torchport.settings.override(kernels="fast"):
+            pass

@@ -15,6 +15,8 @@ import torch
 import torchport
 from torchport.backends import get_backend
 from torchport.backends.npu import ChipProfile, chip_profile, device_chip, npu_chip_profiles
+from torchport.compile.op_support import device_op_support
+from torchport.export.atc import soc_version
 from torchport.kernels import KernelError, registry
 from torchport.kernels.glu import swiglu_reference
 from torchport.testing import npu_fused_ops, simulated_chip, unsupported_ops
@@ -88,7 +90,7 @@ def test_torch_npu_reports_the_chip(npu: torch.device, soc: str) -> None:
         assert torch.npu.is_bf16_supported() == chip.bf16
         assert (torch.bfloat16 in torch.npu.get_amp_supported_dtype()) == chip.bf16
         backend = get_backend("npu")
-        assert backend.chip(0) == device_chip(npu) == chip and backend.soc_version(0) == soc
+        assert backend.chip(0) == device_chip(npu) == chip and soc_version(device=npu) == soc
         assert backend.dtype_works(torch.bfloat16, 0) == chip.bf16  # by the dtype probe
         assert backend.properties(0)["multi_processor_count"] == chip.multi_processor_count
         assert "major" not in backend.properties(0)
@@ -98,7 +100,7 @@ def test_torch_npu_reports_the_chip(npu: torch.device, soc: str) -> None:
 
 def test_the_soc_version_of_a_hyphenated_chip_is_whole(npu: torch.device) -> None:
     with simulated_chip("Ascend910B4-1"):
-        assert torch.npu.get_device_name() == get_backend("npu").soc_version(0) == "Ascend910B4-1"
+        assert torch.npu.get_device_name() == soc_version(device=npu) == "Ascend910B4-1"
 
 
 def test_a_chip_without_bf16_copies_but_does_not_compute_in_it(npu: torch.device) -> None:
@@ -148,15 +150,15 @@ def test_cpu_fallback_can_be_switched_off_as_in_torch_npu(npu: torch.device, mon
     x = torch.rand(4).to(npu)
     backend = get_backend("npu")
     with unsupported_ops({"aten::erfinv"}, torch_npu_fallback=True):
-        assert backend.op_support("aten::erfinv") == "host"
+        assert device_op_support(backend, "aten::erfinv") == "host"
         monkeypatch.setenv("TORCH_NPU_FALLBACK_CPU_DISABLE", "1")
     with unsupported_ops({"aten::erfinv"}, torch_npu_fallback=True):
-        assert backend.op_support("aten::erfinv") == "missing"
+        assert device_op_support(backend, "aten::erfinv") == "missing"
         with pytest.raises(RuntimeError, match="'aten::erfinv.*' has no NPU kernel .* TORCH_NPU_FALLBACK_CPU_DISABLE"):
             x.erfinv()
         monkeypatch.setenv("TORCH_NPU_FALLBACK_CPU_DISABLE", "0")
     with unsupported_ops({"aten::erfinv"}, torch_npu_fallback=True):
-        assert backend.op_support("aten::erfinv") == "host"
+        assert device_op_support(backend, "aten::erfinv") == "host"
 
 
 # -- the environment variable, and the NPU tests on a second chip ----------------------------------------------------

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from torchport.kernels import list_kernels
-from torchport.kernels.registry import KernelError
+from torchport.kernels.registry import KernelError, list_specs
 from torchport.ui import kernels
 from torchport.ui.jobs import Cancelled, Job
 
@@ -30,8 +30,7 @@ def test_every_benchmarkable_op_is_registered_and_has_three_sizes() -> None:
     assert kernels.describe_size("rms_norm", "small") == "rows × hidden 1024×1024"
 
 
-@pytest.mark.parametrize("op", ["rms_norm", "layer_norm", "rope", "swiglu", "geglu", "cross_entropy",
-                                "fused_linear_cross_entropy", "lowbit_matmul"])
+@pytest.mark.parametrize("op", list(list_specs()))
 def test_every_op_runs_forward_and_backward_on_the_cpu(op: str) -> None:
     for backward in (False, True):
         result = kernels.benchmark(Job(), op, "cpu", "float32", "small", backward, warmup=1, iters=2)

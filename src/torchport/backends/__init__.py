@@ -13,28 +13,24 @@ Example:
 
 from __future__ import annotations
 
-import importlib
-import logging
 import threading
 from collections.abc import Callable
-from importlib import metadata
 
+from .._registry import Registry
 from .base import Backend, DtypeProbe
 
 __all__ = ["Backend", "DtypeProbe", "register_backend", "get_backend", "list_backends", "detect", "DETECTION_ORDER"]
 
-logger = logging.getLogger("torchport")
-
 #: Built-in device types in detection order. NPU goes before CUDA: a CUDA->NPU shim (torch_npu's
 #: transfer_to_npu, or torchport's own) makes torch.cuda.is_available() report True on Ascend machines.
 DETECTION_ORDER = ("npu", "cuda", "xpu", "mps", "cpu")
-_BUILTIN_MODULES = {name: f"{__name__}.{name}" for name in DETECTION_ORDER}
 ENTRY_POINT_GROUP = "torchport.backends"
 
-_backends: dict[str, type[Backend]] = {}
+_backends: Registry[type[Backend]] = Registry(
+    "device type", modules={name: f"{__name__}.{name}" for name in DETECTION_ORDER},
+    entry_point_group=ENTRY_POINT_GROUP, replaceable=True, origin=lambda cls: cls.__qualname__)
 _instances: dict[str, Backend] = {}
 _lock = threading.RLock()
-_entry_points_loaded = False
 
 
 def register_backend(name: str, *, replace: bool = False) -> Callable[[type[Backend]], type[Backend]]:
@@ -55,36 +51,16 @@ def register_backend(name: str, *, replace: bool = False) -> Callable[[type[Back
         if getattr(cls, "name", None) != name:
             raise ValueError(f"register_backend({name!r}) got {cls.__name__} whose name is {cls.name!r}")
         with _lock:
-            if name in _backends and not replace and _backends[name] is not cls:
-                raise ValueError(
-                    f"a backend named {name!r} is already registered ({_backends[name].__qualname__}); "
-                    "choose another name or pass replace=True"
-                )
-            _backends[name] = cls
+            _backends.register(name, cls, replace=replace)
             _instances.pop(name, None)
         return cls
 
     return decorate
 
 
-def _load_entry_points() -> None:
-    global _entry_points_loaded
-    if _entry_points_loaded:
-        return
-    _entry_points_loaded = True
-    for entry in metadata.entry_points(group=ENTRY_POINT_GROUP):
-        try:
-            entry.load()
-        except Exception as exc:  # a broken third-party plugin must not stop torchport from working
-            logger.warning("torchport backend plugin %r failed to load: %s", entry.value, exc)
-
-
 def list_backends() -> list[str]:
     """Names of every registered device type: built-ins in detection order, then third-party ones."""
-    _load_entry_points()
-    with _lock:
-        extra = sorted(name for name in _backends if name not in _BUILTIN_MODULES)
-    return [*DETECTION_ORDER, *extra]
+    return _backends.names()
 
 
 def get_backend(name: str, *, source: str | None = None) -> Backend:
@@ -101,14 +77,7 @@ def get_backend(name: str, *, source: str | None = None) -> Backend:
         instance = _instances.get(name)
         if instance is not None:
             return instance
-        if name not in _backends and name in _BUILTIN_MODULES:
-            importlib.import_module(_BUILTIN_MODULES[name])
-        if name not in _backends:
-            _load_entry_points()
-        cls = _backends.get(name)
-        if cls is None:
-            label = f"{source}={name!r}" if source else repr(name)
-            raise ValueError(f"{label} is not a device type; registered: {', '.join(list_backends())}")
+        cls = _backends.get(name, source=source)
         instance = _instances[name] = cls()
         return instance
 

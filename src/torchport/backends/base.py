@@ -9,12 +9,8 @@ synchronize functions refuse to run ("Allocator for npu is not a DeviceAllocator
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
-import math
 import os
 import threading
-import time
 import types
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -22,37 +18,9 @@ from typing import Any, ClassVar
 import torch
 
 from .. import _settings
+from .dtype_probe import PROBED_DTYPES, DtypeProbe, probe
 
-__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES", "op_support", "operator_overloads"]
-
-logger = logging.getLogger("torchport")
-
-PROBED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-# Largest max-abs error of softmax(a @ b / 8) on 64x96x80 normal inputs against a float64 host result that still
-# counts as working. Measured on CPU (torch 2.13): fp32 6.4e-7, bf16 3.4e-3, fp16 2.8e-4; the bounds leave a wide margin for
-# other accumulation orders while catching a dtype that silently computes garbage or saturates.
-_PROBE_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 3e-2, torch.float16: 5e-3}
-
-
-@dataclasses.dataclass(frozen=True)
-class DtypeProbe:
-    """The result of running a small matmul + softmax in one dtype on one device."""
-
-    dtype: torch.dtype
-    works: bool
-    max_error: float | None
-    ms: float | None
-    error: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "dtype": str(self.dtype).removeprefix("torch."),
-            "works": self.works,
-            "max_error": self.max_error,
-            "ms": self.ms,
-            "error": self.error,
-        }
-
+__all__ = ["Backend", "DtypeProbe", "PROBED_DTYPES"]
 
 class Backend:
     """One device type. Instances are made and cached by the registry (``torchport.backends.get_backend``)."""
@@ -244,10 +212,11 @@ class Backend:
         return True
 
     def dtype_probes(self, index: int) -> dict[torch.dtype, DtypeProbe]:
-        """Run (once per device, then cached) a small matmul + softmax in each of fp32, bf16 and fp16."""
+        """Run (once per device, then cached) a small matmul + softmax in each of fp32, bf16 and fp16
+        (:func:`torchport.backends.dtype_probe.probe`)."""
         with self._probe_lock:
             if index not in self._probes:
-                self._probes[index] = {dtype: self._probe(dtype, index) for dtype in PROBED_DTYPES}
+                self._probes[index] = {dtype: probe(self, dtype, index) for dtype in PROBED_DTYPES}
             return self._probes[index]
 
     def preferred_dtype(self, index: int, probe: bool | None = None) -> torch.dtype:
@@ -275,47 +244,10 @@ class Backend:
             return self.claims_dtype(dtype, index)
         return self.dtype_probes(index)[dtype].works
 
-    def _probe(self, dtype: torch.dtype, index: int) -> DtypeProbe:
-        # host tensors, even inside a ``with torch.device(...)`` block that sets another default device
-        gen = torch.Generator().manual_seed(1234)
-        a = torch.randn(64, 96, generator=gen, device="cpu")
-        b = torch.randn(96, 80, generator=gen, device="cpu")
-        expected = torch.softmax(a.double() @ b.double() / 8, dim=-1)
-        device = self.device(index)
-        try:
-            x, y = a.to(device, dtype), b.to(device, dtype)
-            torch.softmax(x @ y / 8, dim=-1)  # warm-up: first launches compile or load kernels
-            self.synchronize(index)
-            start = time.perf_counter()
-            out = torch.softmax(x @ y / 8, dim=-1)
-            self.synchronize(index)
-            ms = (time.perf_counter() - start) * 1e3
-            error = (out.to("cpu", torch.float64) - expected).abs().max().item()
-        except Exception as exc:  # a dtype the device lacks fails in many ways; all of them mean "does not work"
-            reason = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-            logger.debug("dtype probe %s on %s failed: %s", dtype, device, reason)
-            return DtypeProbe(dtype, False, None, None, reason)
-        works = math.isfinite(error) and error <= _PROBE_TOLERANCE[dtype]
-        note = None if works else f"max error {error:.3g} exceeds {_PROBE_TOLERANCE[dtype]:g}"
-        return DtypeProbe(dtype, works, error, ms, note)
-
     # -- deployment ------------------------------------------------------------------------------------------------
-    #: The onnxruntime package whose execution provider runs ONNX models on this device type.
-    onnxruntime_package: ClassVar[str] = "onnxruntime"
-
-    def onnx_providers(self, index: int, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        """onnxruntime execution providers for device ``index``, best first, each with its provider options;
-        ``options`` are the caller's options for the device's own provider. Here: the CPU provider, which takes
-        none."""
-        if options:
-            raise ValueError(f"onnxruntime's CPUExecutionProvider takes no provider options here; got "
-                             f"{', '.join(sorted(options))}")
-        return [("CPUExecutionProvider", {})]
-
-    def soc_version(self, index: int) -> str | None:
-        """The chip name that Ascend's ATC model compiler takes as ``--soc_version``, or None for devices that
-        are not Ascend NPUs."""
-        return None
+    #: The onnxruntime execution provider that runs ONNX models on this device type (:mod:`torchport.export.runtime`
+    #: knows its package and options).
+    onnx_provider: ClassVar[str] = "CPUExecutionProvider"
 
     # -- operators -------------------------------------------------------------------------------------------------
     #: The dispatcher key of this device's kernels (``"CUDA"``, ``"PrivateUse1"``...), None when it has none.
@@ -335,19 +267,8 @@ class Backend:
             return None
         return _dispatcher_has(op, key)
 
-    def op_support(self, op: str) -> str | None:
-        """How this device runs ``op``: ``"native"``, ``"host"``, ``"missing"`` or None (see :func:`op_support`).
-
-        Example:
-            >>> get_backend("cpu").op_support("aten::erfinv")
-            'native'
-        """
-        return op_support(op, self.has_kernel, self.host_fallback)
-
 
 _ALLOCATOR_OP = "aten::empty.memory_format"
-# PyTorch's kernels that serve every device: written with other operators, which are dispatched one by one.
-_EVERY_DEVICE = ("CompositeImplicitAutograd", "CompositeExplicitAutograd")
 
 
 def _dispatcher_has(op: str, key: str) -> bool:
@@ -355,83 +276,3 @@ def _dispatcher_has(op: str, key: str) -> bool:
         return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
     except RuntimeError:  # no such operator in this torch
         return False
-
-
-def op_support(op: str, has_kernel: Callable[[str], bool | None], host_fallback: bool = False) -> str | None:
-    """How a device runs the operator ``op``, given which operators its library has kernels for.
-
-    ``"native"``: a kernel of the device's own, or one of PyTorch's that serves every device (a composite kernel,
-    or the functional and in-place variants of a structured operator, which call its out= variant: native when the
-    device has that); ``"host"``: no kernel, but the device's library runs it on the CPU (``host_fallback``) and
-    the CPU has one; ``"missing"``: neither; None: ``has_kernel`` cannot tell.
-
-    Example:
-        >>> op_support("aten::add_.Tensor", lambda op: op == "aten::add.out")
-        'native'
-    """
-    own = has_kernel(op)
-    if own is None:
-        return None
-    if own or any(_dispatcher_has(op, key) for key in _EVERY_DEVICE):
-        return "native"
-    if _dispatcher_has(op, "CompositeExplicitAutogradNonFunctional"):
-        out = _out_variant(op)
-        if out is not None and has_kernel(out):
-            return "native"
-    return "host" if host_fallback and _dispatcher_has(op, "CPU") else "missing"
-
-
-_OPERATOR_FORM = "'namespace::name' (every overload) or 'namespace::name.overload', e.g. 'aten::add.Tensor'"
-
-
-def operator_overloads(entry: Any) -> list[str]:
-    """The overloads an operator name or ``torch.ops`` object stands for, as the dispatcher names them (the default
-    overload without a suffix): ``"aten::erfinv"`` and ``torch.ops.aten.erfinv`` give every overload,
-    ``"aten::erfinv.default"`` and ``torch.ops.aten.erfinv.default`` give ``["aten::erfinv"]``.
-
-    Raises:
-        ValueError: not an operator of this torch, or not written in one of those forms.
-
-    Example:
-        >>> operator_overloads("aten::add.Tensor")
-        ['aten::add.Tensor']
-    """
-    if isinstance(entry, torch._ops.OpOverload):
-        entry = f"{entry._schema.name}.{entry._overloadname}"
-    elif isinstance(entry, torch._ops.OpOverloadPacket):
-        entry = entry._qualified_op_name
-    if not isinstance(entry, str) or "::" not in entry:
-        raise ValueError(f"{entry!r} is not an operator: write {_OPERATOR_FORM}, or pass torch.ops.aten.add.Tensor")
-    namespace, _, rest = entry.partition("::")
-    name, dot, overload = rest.partition(".")
-    try:
-        overloads = getattr(getattr(torch.ops, namespace), name).overloads()
-    except (AttributeError, RuntimeError):
-        raise ValueError(f"{entry!r}: torch {torch.__version__} has no operator {namespace}::{name}; write "
-                         f"{_OPERATOR_FORM}") from None
-    known = set(torch._C._dispatch_get_all_op_names())  # without TorchScript's scalar overloads (aten::add.int)
-    names = {o: f"{namespace}::{name}" + ("" if o == "default" else f".{o}") for o in overloads}
-    names = {o: qualified for o, qualified in names.items() if qualified in known}
-    if dot and overload not in names:
-        raise ValueError(f"{entry!r}: {namespace}::{name} has no overload {overload!r} that the dispatcher runs; its "
-                         f"overloads: {', '.join(names)}")
-    return [names[overload]] if dot else list(names.values())
-
-
-def _out_variant(op: str) -> str | None:
-    """The out= overload that a structured operator's functional or in-place overload calls: aten::add.Tensor and
-    aten::add_.Tensor call aten::add.out."""
-    namespace, _, rest = op.partition("::")
-    name, _, overload = rest.partition(".")
-    base = name[:-1] if name.endswith("_") and not name.endswith("__") else name
-    try:
-        schema = getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")._schema
-        packet = getattr(getattr(torch.ops, namespace), base)
-    except (AttributeError, RuntimeError):
-        return None
-    wanted = [(a.name, str(a.type)) for a in schema.arguments]
-    for candidate in packet.overloads():
-        arguments = getattr(packet, candidate)._schema.arguments
-        if any(a.is_out for a in arguments) and [(a.name, str(a.type)) for a in arguments if not a.is_out] == wanted:
-            return f"{namespace}::{base}.{candidate}"
-    return None

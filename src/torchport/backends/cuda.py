@@ -178,10 +178,6 @@ class CudaBackend(Backend):
                 "cudnn": None if cudnn is None else str(cudnn)}
 
     @property
-    def onnxruntime_package(self) -> str:  # type: ignore[override]
-        return "onnxruntime-migraphx" if torch.version.hip else "onnxruntime-gpu"
-
-    def onnx_providers(self, index: int, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    def onnx_provider(self) -> str:  # type: ignore[override]
         # On ROCm, onnxruntime runs AMD GPUs through MIGraphX (its ROCm provider was removed in 1.23).
-        name = "MIGraphXExecutionProvider" if torch.version.hip else "CUDAExecutionProvider"
-        return [(name, {"device_id": index, **options}), ("CPUExecutionProvider", {})]
+        return "MIGraphXExecutionProvider" if torch.version.hip else "CUDAExecutionProvider"

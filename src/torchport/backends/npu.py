@@ -351,35 +351,4 @@ class NpuBackend(Backend):
         }
 
     # -- deployment ------------------------------------------------------------------------------------------------
-    onnxruntime_package = "onnxruntime-cann"
-    #: Options of onnxruntime's CANNExecutionProvider, and the values it accepts for the two precision choices.
-    CANN_PROVIDER_OPTIONS = ("device_id", "npu_mem_limit", "arena_extend_strategy", "enable_cann_graph", "dump_graphs",
-                             "dump_om_model", "precision_mode", "op_select_impl_mode", "optypelist_for_implmode")
-    CANN_PRECISION_MODES = ("force_fp32", "force_fp16", "allow_fp32_to_fp16", "must_keep_origin_dtype",
-                            "allow_mix_precision")
-    CANN_IMPL_MODES = ("high_precision", "high_performance")
-
-    def onnx_providers(self, index: int, options: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-        unknown = sorted(set(options) - set(self.CANN_PROVIDER_OPTIONS))
-        if unknown:
-            raise ValueError(f"CANNExecutionProvider has no option {', '.join(map(repr, unknown))}; its options: "
-                             f"{', '.join(self.CANN_PROVIDER_OPTIONS)}")
-        for key, valid in (("precision_mode", self.CANN_PRECISION_MODES),
-                           ("op_select_impl_mode", self.CANN_IMPL_MODES)):
-            if key in options and options[key] not in valid:
-                raise ValueError(f"CANNExecutionProvider {key}={options[key]!r} is not valid; valid: "
-                                 f"{', '.join(valid)}")
-        # Matrix operators in fp16, vector operators kept in fp32 where they support it: closer to an fp32 PyTorch
-        # result than force_fp16 (ATC's inference default), faster than must_keep_origin_dtype.
-        chosen = {"device_id": index, "precision_mode": "allow_fp32_to_fp16",
-                  "op_select_impl_mode": "high_performance", **options}
-        return [("CANNExecutionProvider", chosen), ("CPUExecutionProvider", {})]
-
-    def soc_version(self, index: int) -> str | None:
-        # torch_npu reports the chip as ATC names it ("Ascend910B1", "Ascend310P3", "Ascend910_9392", and with a
-        # hyphen "Ascend910B4-1", which a known chip's profile keeps whole).
-        chip = self.chip(index)
-        if chip is not None:
-            return chip.soc_version
-        match = re.match(r"Ascend[0-9A-Za-z_]+", self.device_name(index).strip())
-        return match.group(0) if match else None
+    onnx_provider = "CANNExecutionProvider"

@@ -11,7 +11,7 @@ warns once per operator, counts every call (``torchport run --report`` prints th
 logs calls 1, 2, 4, 8... of each operator), and random operators draw from the CPU's generator.
 
 Which operators ``ops=None`` takes: every operator of this process's dispatcher for which the device's backend says
-it has no kernel (:meth:`~torchport.backends.Backend.op_support` is ``"missing"``, or ``"host"`` where the device's
+it has no kernel (:func:`~torchport.compile.op_support.device_op_support` is ``"missing"``, or ``"host"`` where the device's
 library would run it on the CPU itself, as torch_npu does, uncounted) and which the CPU can run. Left out: operators
 that allocate, copy between devices or return views (a device without those cannot hold tensors, and a copy cannot
 alias device memory), and torchport's own kernels, which choose their implementation per device. It is decided
@@ -37,7 +37,7 @@ from torch.utils._pytree import tree_map
 
 from .. import _logging
 from ..backends import Backend, get_backend
-from ..backends.base import operator_overloads
+from ..compile.op_support import device_op_support, operator_overloads
 from ..device import DeviceLike
 
 __all__ = ["call_on_cpu", "calls", "cpu_fallback", "explain_missing_op", "numbers_as_tensors", "registered"]
@@ -276,7 +276,7 @@ def _refusal(name: str) -> str | None:
         return "it has no Python binding in torch.ops"
     if any(r.alias_info is not None and not r.alias_info.is_write for r in schema.returns):
         return "it returns a view of its input, and a copy on the CPU cannot alias device memory"
-    if get_backend("cpu").op_support(name) != "native":
+    if device_op_support("cpu", name) != "native":
         return "the CPU has no kernel for it either"
     return None
 
@@ -305,7 +305,7 @@ def _missing(backend: Backend) -> list[str]:
                          f"loaded in this process ({backend.unavailable_reason()}); name them with ops=[...]")
     names = []
     for name in torch._C._dispatch_get_all_op_names():
-        if backend.op_support(name) in ("missing", "host") and _refusal(name) is None:
+        if device_op_support(backend, name) in ("missing", "host") and _refusal(name) is None:
             names.append(name)
     return names
 

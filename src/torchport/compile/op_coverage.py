@@ -14,7 +14,7 @@ reaches the dispatcher's backends, with its calls and phase. Each is then marked
   device has.
 * **missing**: none of these; running it there fails.
 
-Where the device's library is loaded, the dispatcher answers (:meth:`torchport.backends.Backend.op_support`).
+Where the device's library is loaded, the dispatcher answers (:func:`torchport.compile.op_support.device_op_support`).
 Where it is not, the backend's shipped operator list does (for Ascend: ``data/torch_npu_ops-<release>.txt``, torch_npu's
 operator registration list of a named release; its header says what it covers and what not).
 
@@ -55,8 +55,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from ..backends import Backend, get_backend
-from ..backends.base import op_support
 from ..compat.cpu_fallback import call_on_cpu, explain_missing_op, numbers_as_tensors, registered
+from .op_support import op_support
 from ..verify.structure import call_model, leaves
 
 __all__ = ["Coverage", "OpRow", "STATUSES", "coverage"]

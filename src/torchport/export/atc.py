@@ -37,6 +37,7 @@ PRECISION_MODES = ("force_fp32", "cube_fp16in_fp32out", "force_fp16", "allow_fp3
 SOC_EXAMPLES = ("Ascend910B1", "Ascend910B3", "Ascend310P3", "Ascend310B1")
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8)
 _SOC = re.compile(r"^Ascend[0-9][0-9A-Za-z_]*(-[0-9A-Za-z_]+)?$")  # Ascend910B4-1, Ascend910_9391
+_SOC_NAME = re.compile(r"Ascend[0-9][0-9A-Za-z_]*(-[0-9A-Za-z_]+)?")
 _SET_ENV = "/usr/local/Ascend/ascend-toolkit/set_env.sh"
 
 
@@ -67,12 +68,14 @@ def soc_version(given: str | None = None, device: DeviceLike = None) -> str:
             raise ValueError(f"soc_version {given!r} is not an Ascend chip name; give one like {examples}")
         return given
     backend, index = resolve(device)
-    found = backend.soc_version(index)
+    # torch_npu reports the chip as ATC names it ("Ascend910B1", "Ascend310P3", "Ascend910_9392", "Ascend910B4-1");
+    # other devices' names do not start with "Ascend"
+    found = _SOC_NAME.match(backend.device_name(index).strip())
     if found is None:
         raise ValueError(f"ATC needs the Ascend chip to compile for, and {backend.device(index)} is not an Ascend "
                          f"NPU; pass --soc-version (soc_version=...), e.g. {examples} (on the Ascend machine, "
                          "`npu-smi info` shows the chip: Ascend followed by its Name)")
-    return found
+    return found.group(0)
 
 
 def graph_inputs(model_path: str | os.PathLike[str]) -> list[tuple[str, tuple[int, ...]]]:

@@ -46,6 +46,7 @@ from torch import nn
 from ..backends.npu import operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, widen
+from .spec import OpSpec, randn, targets
 
 __all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "per_row_losses"]
 
@@ -248,3 +249,21 @@ class CrossEntropyLoss(nn.Module):
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
                 f"reduction={self.reduction!r}, z_loss={self.z_loss}, in_place={self.in_place}, "
                 f"loss_dtype={self.loss_dtype}")
+
+
+def _inputs(gen: torch.Generator | None, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(gen, (rows, vocab), 2.0), targets(gen, rows, vocab)
+
+
+SPEC = registry.register_op(OpSpec(
+    "cross_entropy", "cross-entropy", "``-log softmax(logits)[target]`` (ignore_index, smoothing, z-loss)",
+    ("CrossEntropyLoss", "cross_entropy"), "rows × vocabulary",
+    sizes={"test": (7, 1003), "smoke": (256, 32003), "small": (512, 8192), "medium": (4096, 32000),
+           "large": (8192, 128256), "benchmark": (8192, 128256)},
+    make=_inputs, call=cross_entropy, differentiable=1,
+    # fwd: read the logits once; bwd: write their gradient (the loss is a scalar). torchport's kernel computes the
+    # gradient in the forward, reading each row a second time (from L2 when it fits)
+    bytes_moved=lambda logits, target: 2 * logits.numel() * logits.element_size(),
+    custom_op="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) -> Tensor",
+    in_place=True,
+))

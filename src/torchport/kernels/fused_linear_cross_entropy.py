@@ -45,8 +45,8 @@ Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torch
 ``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch; torch_npu's vocabulary-parallel
 pieces, npu_fused_linear_online_max_sum and npu_fused_cross_entropy_loss_with_max_sum, are not used), and the
 ``reference``: the full logits, then the cross-entropy in float32.
-``chunked`` serves every other device in auto mode; ``TORCHPORT_KERNELS`` can force ``reference``, ``triton``
-(CUDA) or ``npu`` (Ascend), the modes every op shares.
+``chunked`` serves every other device in auto mode; ``TORCHPORT_KERNELS`` can force any of them (``chunked`` on
+every device, ``triton`` on CUDA, ``npu`` on Ascend).
 
 Example:
     >>> loss = torchport.kernels.fused_linear_cross_entropy(hidden_states, lm_head.weight, labels)
@@ -66,6 +66,7 @@ from torch import nn
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
 from .cross_entropy import check_options, check_target_tensor, check_targets, per_row_losses
+from .spec import OpSpec, randn, targets
 
 __all__ = ["RESCALE_MARGIN", "WORKSPACE_BYTES", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
            "fused_linear_cross_entropy", "workspace_bytes"]
@@ -603,3 +604,21 @@ class FusedLinearCrossEntropyLoss(nn.Module):
         return (f"ignore_index={self.ignore_index}, label_smoothing={self.label_smoothing}, "
                 f"reduction={self.reduction!r}, z_loss={self.z_loss}, softcap={self.softcap}, "
                 f"loss_dtype={self.loss_dtype}")
+
+
+def _inputs(gen: torch.Generator | None, rows: int, hidden: int, vocab: int) -> tuple[torch.Tensor, ...]:
+    return randn(gen, (rows, hidden)), randn(gen, (vocab, hidden), hidden**-0.5), targets(gen, rows, vocab)
+
+
+SPEC = registry.register_op(OpSpec(
+    "fused_linear_cross_entropy", "linear + CE", "cross-entropy of ``hidden @ weight.T`` without the logits",
+    ("FusedLinearCrossEntropyLoss", "fused_linear_cross_entropy"), "tokens × hidden × vocabulary",
+    sizes={"test": (7, 32, 1003), "smoke": (256, 64, 1000), "small": (256, 512, 8192),
+           "medium": (2048, 2048, 32000), "large": (8192, 4096, 128256), "benchmark": (8192, 4096, 128256)},
+    make=_inputs, call=fused_linear_cross_entropy, differentiable=2,
+    # FLOP-bound: 3 matmuls of 2·N·H·V (logits, d hidden, d weight); the bytes are the tensors read and written
+    # once: hidden, weight and their gradients. The fused op runs 4 such matmuls (module docstring), but every
+    # contender is counted at the unfused op's 6·N·H·V
+    bytes_moved=lambda hidden, weight, target: 2 * (hidden.numel() + weight.numel()) * hidden.element_size(),
+    flops=lambda hidden, weight, target: 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0],
+))

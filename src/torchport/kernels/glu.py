@@ -16,6 +16,7 @@ from torch import nn
 from ..backends.npu import operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
+from .spec import OpSpec, randn
 
 __all__ = ["GeGLU", "SwiGLU", "geglu", "swiglu"]
 
@@ -118,3 +119,28 @@ class GeGLU(_GatedActivation):
     """``nn.Module`` form of :func:`geglu`: ``forward(gate, up)``."""
 
     function = staticmethod(geglu)
+
+
+def _inputs(gen: torch.Generator | None, rows: int, inner: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(gen, (rows, inner)), randn(gen, (rows, inner))
+
+
+def _bytes(gate: torch.Tensor, up: torch.Tensor) -> int:
+    # fwd: read gate, up, write y (3); bwd: read gate, up, dy, write dgate, dup (5)
+    return 8 * gate.numel() * gate.element_size()
+
+
+SWIGLU = registry.register_op(OpSpec(
+    "swiglu", "SwiGLU", "``silu(gate) * up``", ("SwiGLU", "swiglu"), "rows × intermediate",
+    sizes={"test": (3, 37), "smoke": (256, 512), "small": (1024, 2048), "medium": (4096, 8192),
+           "large": (8192, 14336), "benchmark": (8192, 14336)},
+    make=_inputs, call=swiglu, differentiable=2, bytes_moved=_bytes,
+    custom_op="(Tensor gate, Tensor up) -> Tensor", in_place=True,
+))
+GEGLU = registry.register_op(OpSpec(
+    "geglu", "GeGLU", "``gelu_tanh(gate) * up``", ("GeGLU", "geglu"), "rows × intermediate",
+    sizes={"test": (3, 37), "smoke": (256, 512), "small": (1024, 2048), "medium": (4096, 8192),
+           "large": (8192, 14336), "benchmark": (8192, 14336)},
+    make=_inputs, call=geglu, differentiable=2, bytes_moved=_bytes,
+    custom_op="(Tensor gate, Tensor up) -> Tensor", in_place=True,
+))

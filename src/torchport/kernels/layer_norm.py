@@ -16,6 +16,7 @@ from torch import nn
 
 from . import registry
 from .checks import check_floating, check_same_device
+from .spec import OpSpec, randn
 
 __all__ = ["LayerNorm", "layer_norm"]
 
@@ -76,3 +77,17 @@ class LayerNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, bias={self.bias is not None}"
+
+
+def _inputs(gen: torch.Generator | None, rows: int, hidden: int) -> tuple[torch.Tensor, ...]:
+    return randn(gen, (rows, hidden)), 1 + randn(gen, (hidden,), 0.1), randn(gen, (hidden,), 0.1)
+
+
+SPEC = registry.register_op(OpSpec(
+    "layer_norm", "LayerNorm", "``(x - mean) / std * weight + bias``", ("LayerNorm", "layer_norm"), "rows × hidden",
+    sizes={"test": (3, 123), "smoke": (256, 512), "small": (1024, 1024), "medium": (4096, 4096),
+           "large": (16384, 4096), "benchmark": (8192, 4096)},
+    make=_inputs, call=layer_norm, differentiable=3,
+    # the five passes of RMSNorm: fwd reads x, writes y; bwd reads x and dy, writes dx
+    bytes_moved=lambda x, weight, bias: 5 * x.numel() * x.element_size(),
+))

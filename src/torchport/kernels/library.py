@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterator, Sequence
 import torch
 
 from .checks import widen
+from .registry import list_specs
 from .cross_entropy import REDUCTIONS, cross_entropy
 from .glu import geglu, swiglu
 from .rms_norm import rms_norm
@@ -52,9 +53,13 @@ from .rope import rope
 
 __all__ = ["OPS", "autograd_enabled"]
 
-# The ops registered here (``torch.ops.torchport.<name>``), forward ops first.
-OPS = ("rms_norm", "swiglu", "geglu", "rope", "cross_entropy",
-       "rms_norm_backward", "swiglu_backward", "geglu_backward", "rope_backward", "cross_entropy_backward")
+# The ops with a custom op (``torch.ops.torchport.<name>``, its schema from the op's spec), and their backwards.
+_FORWARD = tuple(name for name, spec in list_specs().items() if spec.custom_op is not None)
+OPS = (*_FORWARD, *(f"{name}_backward" for name in _FORWARD))
+
+
+def _schema(name: str) -> str:
+    return list_specs()[name].custom_op  # type: ignore[return-value]  # one of _FORWARD
 
 
 def _keys_excluded_below_autograd() -> torch._C.DispatchKeySet:
@@ -112,8 +117,7 @@ def _vjp(fn: Callable[..., torch.Tensor], inputs: Sequence[torch.Tensor],
 
 # --- rms_norm -------------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("torchport::rms_norm", mutates_args=(),
-                         schema="(Tensor x, Tensor weight, float eps, float offset) -> Tensor")
+@torch.library.custom_op("torchport::rms_norm", mutates_args=(), schema=_schema("rms_norm"))
 def _rms_norm(x, weight, eps, offset):
     return _fresh(rms_norm(x.detach(), weight.detach(), eps, offset), x, (x, weight))
 
@@ -152,7 +156,7 @@ _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
 # --- swiglu, geglu --------------------------------------------------------------------------------------------------
 
 def _gated(name: str, kernel: Callable[..., torch.Tensor]) -> None:
-    @torch.library.custom_op(f"torchport::{name}", mutates_args=(), schema="(Tensor gate, Tensor up) -> Tensor")
+    @torch.library.custom_op(f"torchport::{name}", mutates_args=(), schema=_schema(name))
     def forward(gate, up):
         return _fresh(kernel(gate.detach(), up.detach()), gate, (gate, up))
 
@@ -186,8 +190,7 @@ _gated("geglu", geglu)
 
 # --- rope -----------------------------------------------------------------------------------------------------------
 
-@torch.library.custom_op("torchport::rope", mutates_args=(),
-                         schema="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)")
+@torch.library.custom_op("torchport::rope", mutates_args=(), schema=_schema("rope"))
 def _rope(q, k, cos, sin):
     q_out, k_out = rope(q.detach(), k.detach(), cos.detach(), sin.detach())
     inputs = (q, k, cos, sin)
@@ -265,10 +268,7 @@ def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
     return torch.float64 if logits.dtype == torch.float64 else torch.float32
 
 
-@torch.library.custom_op(
-    "torchport::cross_entropy", mutates_args=(),
-    schema="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) -> Tensor",
-)
+@torch.library.custom_op("torchport::cross_entropy", mutates_args=(), schema=_schema("cross_entropy"))
 def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
     _check_reduction(reduction)
     # Per-row losses in the logits' dtype, summed here in float32: one rounding per row, none of the sum.
@@ -324,3 +324,9 @@ def _cross_entropy_grad(ctx, grad):
 
 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+_missing = [name for name in _FORWARD if not hasattr(torch.ops.torchport, name)]
+if _missing:  # a spec names a schema this module has no implementation for
+    raise RuntimeError(f"torchport.kernels.library: the specs of {', '.join(_missing)} name a custom op, and this "
+                       "module registers none for them; add their forward, fake and backward here")

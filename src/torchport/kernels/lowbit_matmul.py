@@ -26,6 +26,7 @@ import torch.nn.functional as F
 
 from ..backends.npu import device_chip, operator_limits
 from . import registry
+from .spec import OpSpec, randn
 
 __all__ = ["lowbit_linear"]
 
@@ -167,3 +168,37 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
 
 def _in_features(t: Mapping[str, torch.Tensor], fmt: str) -> int:
     return t["qweight"].shape[1] * (1 if fmt in ("int8", "fp8") else 2)
+
+
+# -- spec: int4 weights in groups of 128 (the format ``torchport.quantize`` picks for GPUs) --------------------------
+_GROUP = 128
+
+
+def _inputs(gen: torch.Generator | None, rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
+    codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    return randn(gen, (rows, k)), codes, randn(gen, (n, k // _GROUP), 0.01).abs(), randn(gen, (n, k // _GROUP))
+
+
+def _int4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+    # the format's decoder belongs to the quantisation layer; the spec asks for it when called (by the tests, the
+    # benchmarks and the dashboard), never the kernel itself
+    from ..quant.formats import get_format
+
+    tensors = {"qweight": codes, "scale": scale, "offset": offset}
+    return lowbit_linear(x, tensors, "int4", _GROUP, None, dequantize=get_format("int4").dequantize)
+
+
+def _bytes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> int:
+    # fwd: read x and the codes, write y; bwd: read dy and the codes, write dx; scales and offsets read twice
+    activations = 2 * (x.numel() + x.shape[0] * codes.shape[0]) * x.element_size()
+    return activations + 2 * (codes.numel() + scale.numel() * scale.element_size() + offset.numel() * offset.element_size())
+
+
+SPEC = registry.register_op(OpSpec(
+    "lowbit_matmul", "low-bit matmul", "``x @ dequantise(W).T`` for low-bit weights", ("lowbit_linear",),
+    "rows × out features × in features (int4 weights, groups of 128)",
+    sizes={"test": (3, 24, 256), "smoke": (16, 512, 512), "small": (1, 4096, 4096), "medium": (16, 14336, 4096),
+           "large": (2048, 14336, 4096), "benchmark": (16, 14336, 4096)},
+    make=_inputs, call=_int4, differentiable=1, bytes_moved=_bytes,
+    flops=lambda x, codes, scale, offset: 4 * x.shape[0] * codes.shape[0] * x.shape[1],  # y and dx: 2 matmuls
+))

@@ -7,8 +7,12 @@ ones declare the device types they serve and a priority; ``TORCHPORT_KERNELS`` (
 * ``auto`` (default): the highest-priority implementation serving the device. If it cannot run (its library is
   missing, the dtype or shape is unsupported, it fails to compile), torchport warns once for that cause and uses the
   reference, and stops trying an implementation that failed to load or compile on that device type.
-* ``reference`` / ``triton`` / ``npu``, globally or per op (``rms_norm=reference,rope=triton``): the named
-  implementation or an error that says why it cannot run. Nothing falls back silently.
+* an implementation's name (``reference``, ``triton``, ``npu``, ``chunked``: :func:`kernel_modes`), globally or
+  per op (``rms_norm=reference,rope=triton``): the named implementation or an error that says why it cannot run.
+  Nothing falls back silently.
+
+Each op also registers its :class:`~torchport.kernels.spec.OpSpec` (:func:`register_op`), which the tests, the
+benchmarks, the dashboard and the custom ops of :mod:`torchport.kernels.library` read.
 
 Example:
     >>> from torchport.kernels import registry
@@ -23,6 +27,7 @@ import functools
 import importlib
 import importlib.util
 import logging
+import pkgutil
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -32,7 +37,9 @@ import torch
 import torch.utils.checkpoint
 
 from .. import _settings
+from .._registry import Registry
 from ..backends import get_backend
+from .spec import OpSpec
 
 __all__ = [
     "Implementation",
@@ -43,17 +50,20 @@ __all__ = [
     "fused_op",
     "fused_op_unavailable",
     "implementation",
+    "kernel_modes",
     "list_kernels",
+    "list_specs",
     "refresh",
     "register_kernel",
+    "register_op",
     "select",
 ]
 
 logger = logging.getLogger("torchport")
 
-# Modules that register the built-in ops, imported when the registry is first asked about ops.
-_BUILTIN_MODULES = ("rms_norm", "layer_norm", "rope", "glu", "cross_entropy", "fused_linear_cross_entropy",
-                    "lowbit_matmul")
+# Modules of this package that are not ops: the custom ops for compiled graphs, imported by the compile passes only
+# (registering them costs time that eager users should not pay).
+_NOT_OPS = frozenset({"library"})
 
 
 class Unsupported(RuntimeError):
@@ -92,9 +102,16 @@ class Implementation:
         return None if self.requires is None else self.requires(device)
 
 
+def _import_ops() -> None:
+    # every public module of this package declares its ops (kernels/<op>.py): adding an op is adding a file
+    for info in sorted(pkgutil.iter_modules(importlib.import_module(__package__).__path__), key=lambda m: m.name):
+        if not (info.ispkg or info.name.startswith("_") or info.name in _NOT_OPS):
+            importlib.import_module(f"{__package__}.{info.name}")
+
+
+_specs: Registry[OpSpec] = Registry("kernel op", load=_import_ops, origin=lambda spec: spec.call.__module__)
 _ops: dict[str, dict[str, Implementation]] = {}
 _lock = threading.RLock()
-_loaded = False
 _broken: dict[tuple[str, str, str], str] = {}  # (op, implementation, device type) -> why it failed to load/compile
 _warned: set[tuple[str, str, str]] = set()
 _availability: dict[tuple[str, str, str], str | None] = {}
@@ -141,15 +158,39 @@ def _triton_reason(device: torch.device) -> str | None:
     return None
 
 
-def _ensure_loaded() -> None:
-    global _loaded
-    if _loaded:
-        return
+def register_op(spec: OpSpec) -> OpSpec:
+    """Register the :class:`~torchport.kernels.spec.OpSpec` of an op (once per name); returns it.
+
+    Example:
+        >>> SPEC = register_op(OpSpec("my_op", "MyOp", "computes ...", ("my_op",), ...))
+    """
+    return _specs.register(spec.name, spec)
+
+
+def list_specs() -> dict[str, OpSpec]:
+    """Every op's spec by name, in the order their modules were imported.
+
+    Example:
+        >>> list_specs()["rope"].title
+        'RoPE'
+    """
+    return _specs.entries()
+
+
+def kernel_modes() -> tuple[str, ...]:
+    """What ``TORCHPORT_KERNELS`` accepts: ``auto`` and the name of every registered implementation.
+
+    Example:
+        >>> kernel_modes()
+        ('auto', 'chunked', 'npu', 'reference', 'triton')
+    """
+    _ensure_loaded()
     with _lock:
-        if not _loaded:
-            for module in _BUILTIN_MODULES:
-                importlib.import_module(f"{__package__}.{module}")
-            _loaded = True
+        return ("auto", *sorted({name for impls in _ops.values() for name in impls}))
+
+
+def _ensure_loaded() -> None:
+    _specs.entries()  # imports the ops' modules once
 
 
 def refresh() -> None:
@@ -361,69 +402,3 @@ def fused_op_reason(name: str) -> Callable[[torch.device], str | None]:
     """A ``requires`` check for :func:`register_kernel`: operator ``name`` must run on the device (its software stack
     has it and its chip runs it). A chip without it is an expected fallback, warned once, never a kernel failure."""
     return functools.partial(fused_op_unavailable, name)  # a partial: coverage reads which operator it needs
-
-
-def table(devices: Sequence[torch.device] | None = None) -> list[dict[str, Any]]:
-    """One row per op and device: the implementation a call would use now, and in ``notes`` why no faster one runs
-    (forced by ``TORCHPORT_KERNELS``, a library or vendor operator missing, another device type only, or the chosen
-    one is the fastest there is).
-
-    ``devices`` defaults to the CPU and the first device of every accelerator present.
-
-    Example:
-        >>> table([torch.device("cpu")])[0]["notes"][0]
-        'reference is the only implementation for cpu'
-    """
-    _ensure_loaded()
-    if devices is None:
-        from ..device import devices as present
-
-        seen: dict[str, torch.device] = {}
-        for dev in [torch.device("cpu"), *present()]:
-            seen.setdefault(dev.type, dev)
-        devices = list(seen.values())
-    rows = []
-    for op in sorted(_ops):
-        impls = sorted(_ops[op].values(), key=lambda i: -i.priority)
-        for dev in devices:
-            try:
-                impl = select(op, dev, quiet=True)
-                chosen, notes = impl.name, _why_not_faster(op, impls, dev, impl)
-            except KernelError as exc:
-                chosen, notes = "error", [str(exc)]
-            rows.append({
-                "op": op,
-                "device": str(dev),
-                "implementation": chosen,
-                "candidates": [impl.name for impl in impls if impl.serves(dev.type)],
-                "notes": notes,
-            })
-    return rows
-
-
-def _why_not_faster(op: str, impls: Sequence[Implementation], device: torch.device,
-                    chosen: Implementation) -> list[str]:
-    """Why ``chosen``, and no implementation ranked above it, runs ``op`` on ``device``: one note per reason.
-
-    ``impls`` are all of the op's implementations, highest priority first.
-    """
-    mode, forced = _mode(op)
-    serving = [impl for impl in impls if impl.serves(device.type)]
-    reference = next(impl for impl in impls if impl.name == "reference")
-    auto = next((impl for impl in serving if _available(impl, device) is None), reference)
-    notes = []
-    if forced:
-        overrides = _settings.value("kernels")
-        notes.append(f"forced by TORCHPORT_KERNELS ({op}={mode})" if op in overrides
-                     else f"forced by TORCHPORT_KERNELS={mode}")
-        if auto is not chosen:
-            notes.append(f"auto mode would use {auto.name}")
-    above = [impl for impl in impls if impl.priority > chosen.priority]
-    notes += [f"{impl.name}: {_available(impl, device)}" for impl in above
-              if impl.serves(device.type) and _available(impl, device) is not None]
-    if not forced and chosen is serving[0]:
-        notes.append(f"{chosen.name} is the only implementation for {device.type}" if len(serving) == 1
-                     else f"{chosen.name} is already the fastest implementation for {device.type}")
-    notes += [f"{impl.name} runs on {', '.join(sorted(impl.devices or ()))} only" for impl in above
-              if not impl.serves(device.type)]
-    return notes

@@ -16,6 +16,7 @@ from torch import nn
 from ..backends.npu import device_chip, operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, widen
+from .spec import OpSpec, randn
 
 __all__ = ["RMSNorm", "rms_norm"]
 
@@ -108,3 +109,18 @@ class RMSNorm(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}, offset={self.offset}"
+
+
+def _inputs(gen: torch.Generator | None, rows: int, hidden: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return randn(gen, (rows, hidden)), 1 + randn(gen, (hidden,), 0.1)
+
+
+SPEC = registry.register_op(OpSpec(
+    "rms_norm", "RMSNorm", "``x / rms(x) * (offset + weight)``", ("RMSNorm", "rms_norm"), "rows × hidden",
+    sizes={"test": (3, 123), "smoke": (256, 512), "small": (1024, 1024), "medium": (4096, 4096),
+           "large": (16384, 4096), "benchmark": (8192, 4096)},
+    make=_inputs, call=rms_norm, differentiable=2,
+    # fwd: read x, write y; bwd: read x and dy, write dx (the weight's few KiB left out)
+    bytes_moved=lambda x, weight: 5 * x.numel() * x.element_size(),
+    custom_op="(Tensor x, Tensor weight, float eps, float offset) -> Tensor", in_place=True,
+))

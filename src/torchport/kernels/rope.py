@@ -19,6 +19,7 @@ from torch import nn
 from ..backends.npu import device_chip, operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
+from .spec import OpSpec, randn, rope_tables
 
 __all__ = ["RoPE", "rope"]
 
@@ -148,3 +149,24 @@ class RoPE(nn.Module):
     def forward(self, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor,
                 sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope(q, k, cos, sin)
+
+
+def _inputs(gen: torch.Generator | None, batch: int, q_heads: int, kv_heads: int, seq: int,
+            head_dim: int) -> tuple[torch.Tensor, ...]:
+    q, k = randn(gen, (batch, q_heads, seq, head_dim)), randn(gen, (batch, kv_heads, seq, head_dim))
+    return (q, k, *(t.expand(batch, seq, head_dim) for t in rope_tables(seq, head_dim)))
+
+
+def _bytes(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> int:
+    # fwd: read q, k, write q, k; bwd: read dq, dk, write dq, dk; plus cos and sin, read once in each pass
+    return 4 * (q.numel() + k.numel()) * q.element_size() + 4 * cos.numel() * cos.element_size()
+
+
+SPEC = registry.register_op(OpSpec(
+    "rope", "RoPE", "Hugging Face ``apply_rotary_pos_emb`` on q and k", ("RoPE", "rope"),
+    "batch × q heads × kv heads × sequence × head dim",
+    sizes={"test": (2, 3, 1, 7, 16), "smoke": (2, 4, 2, 64, 32), "small": (1, 8, 2, 256, 64),
+           "medium": (2, 32, 8, 1024, 128), "large": (4, 32, 8, 4096, 128), "benchmark": (4, 32, 8, 2048, 128)},
+    make=_inputs, call=rope, differentiable=2, bytes_moved=_bytes,
+    custom_op="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+))

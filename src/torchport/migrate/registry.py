@@ -19,6 +19,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from .._registry import Registry
+
 __all__ = ["LEGACY_TYPES", "SOURCE", "SOURCE_DEVICE", "Rule", "register_rule", "get_rule", "list_rules", "rules_for"]
 
 #: the device type migrated away from, and its module (``torch.<type>``), whose calls the rules rewrite
@@ -51,7 +53,11 @@ class Rule:
         return self.doc.split("\n", 1)[0]
 
 
-_rules: dict[str, Rule] = {}
+def _load_builtin_rules() -> None:
+    from . import rules  # noqa: F401  (registers the built-in rules on import)
+
+
+_rules: Registry[Rule] = Registry("migrate rule", load=_load_builtin_rules)
 
 
 def register_rule(rule_id: str, node: type) -> Callable[[Rewrite], Rewrite]:
@@ -68,36 +74,25 @@ def register_rule(rule_id: str, node: type) -> Callable[[Rewrite], Rewrite]:
     """
 
     def decorate(rewrite: Rewrite) -> Rewrite:
-        if rule_id in _rules:
-            raise ValueError(f"a migrate rule with id {rule_id!r} is already registered; choose another id")
-        if not inspect.getdoc(rewrite):
+        rule = Rule(rule_id, node, rewrite)
+        if rule_id not in _rules and not rule.doc:  # a taken id is the registry's error
             raise ValueError(f"migrate rule {rule_id!r} has no docstring; say what it rewrites and into what")
-        _rules[rule_id] = Rule(rule_id, node, rewrite)
+        _rules.register(rule_id, rule)
         return rewrite
 
     return decorate
 
 
-def _load_builtin_rules() -> None:
-    from . import rules  # noqa: F401  (registers the built-in rules on import)
-
-
 def list_rules() -> list[str]:
     """Ids of every registered rule, in the order they are tried."""
-    _load_builtin_rules()
-    return list(_rules)
+    return _rules.names()
 
 
 def get_rule(rule_id: str) -> Rule:
     """The rule registered as ``rule_id``; the error lists the registered ids."""
-    _load_builtin_rules()
-    try:
-        return _rules[rule_id]
-    except KeyError:
-        raise ValueError(f"{rule_id!r} is not a migrate rule; registered: {', '.join(_rules)}") from None
+    return _rules.get(rule_id)
 
 
 def rules_for(node_type: type) -> list[Rule]:
     """The rules that look at nodes of exactly ``node_type``, in registration order."""
-    _load_builtin_rules()
-    return [rule for rule in _rules.values() if rule.node is node_type]
+    return [rule for rule in _rules.entries().values() if rule.node is node_type]

@@ -43,6 +43,8 @@ from collections.abc import Callable, Mapping
 
 import torch
 
+from .._registry import Registry
+
 __all__ = ["ALIASES", "FORMATS", "E2M1_VALUES", "Format", "QuantizationError", "canonical_name", "e2m1_decode",
            "e2m1_encode", "get_format", "list_formats", "register_format", "unpack_nibbles", "pack_nibbles"]
 
@@ -125,16 +127,16 @@ def _default_group(default: int | None, in_features: int) -> int:
     return in_features
 
 
-FORMATS: dict[str, Format] = {}
+FORMATS: Registry[Format] = Registry("quantisation format")
 ALIASES = {"fp4": "nvfp4"}
 
 
 def register_format(fmt: Format) -> Format:
     """Add ``fmt`` to the formats ``torchport.quantize`` accepts; a second format of the same name is refused."""
     if fmt.name in FORMATS or fmt.name in ALIASES:
-        raise ValueError(f"a quantisation format named {fmt.name!r} already exists; registered: {', '.join(FORMATS)}")
-    FORMATS[fmt.name] = fmt
-    return fmt
+        raise ValueError(f"a quantisation format named {fmt.name!r} already exists; registered: "
+                         f"{', '.join(list_formats())}")
+    return FORMATS.register(fmt.name, fmt)
 
 
 def list_formats() -> list[str]:
@@ -161,7 +163,7 @@ def get_format(name: str) -> Format:
         >>> get_format("fp4").name
         'nvfp4'
     """
-    return FORMATS[canonical_name(name)]
+    return FORMATS.get(canonical_name(name))
 
 
 # -- helpers shared by the formats ----------------------------------------------------------------------------------

@@ -88,9 +88,10 @@ def unsupported_ops(ops: Iterable[Any], *, torch_npu_fallback: bool = False) -> 
     Running one of them on an ``npu`` tensor then raises what PyTorch's dispatcher raises for a device without a
     kernel: ``NotImplementedError: Could not run 'aten::erfinv' with arguments from the 'PrivateUse1' backend...``.
     With ``torch_npu_fallback=True`` it warns and runs on the host instead, as torch_npu (2.1 and later) does for
-    operators it lacks. ``get_backend("npu").op_support(op)`` answers accordingly ("missing" or "host"), and a
-    kernel registered for the operator on PrivateUse1 (as :func:`torchport.compat.cpu_fallback` registers) runs in
-    its place, as on a real device. Blocks nest; the innermost ``torch_npu_fallback`` applies.
+    operators it lacks. ``torchport.compile.op_support.device_op_support("npu", op)`` answers accordingly
+    ("missing" or "host"), and a kernel registered for the operator on PrivateUse1 (as
+    :func:`torchport.compat.cpu_fallback` registers) runs in its place, as on a real device.
+    Blocks nest; the innermost ``torch_npu_fallback`` applies.
 
     Args:
         ops: operator names, ``"aten::erfinv"`` for every overload or ``"aten::add.Tensor"`` for one

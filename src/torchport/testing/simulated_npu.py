@@ -446,9 +446,9 @@ def _unsupported(st: _State, qualified: str) -> None:
     """Fail as the dispatcher does for a device without a kernel, or warn as torch_npu's CPU fallback does."""
     support = st.support.get(qualified, "unknown")
     if support == "unknown":
-        from ..backends import get_backend
+        from ..compile.op_support import device_op_support
 
-        support = st.support[qualified] = get_backend(_NPU).op_support(qualified)
+        support = st.support[qualified] = device_op_support(_NPU, qualified)
     if support == "native":  # e.g. aten::erfinv when only its default overload was declared: it calls erfinv.out
         return
     if support == "host":
@@ -479,7 +479,7 @@ def declare_unsupported(ops: Iterable[Any], torch_npu_fallback: bool = False) ->
         ValueError: an entry is not an operator of this torch, or one no device can lack (see
             :func:`torchport.testing.unsupported_ops`).
     """
-    from ..backends.base import operator_overloads
+    from ..compile.op_support import operator_overloads
 
     st = state()
     overloads: set[str] = set()

@@ -37,93 +37,15 @@ def registry_rows(devices: Sequence[torch.device] | None = None) -> list[list[st
              "; ".join(row["notes"]) or "-"] for row in table(devices)]
 
 
-# -- inputs ---------------------------------------------------------------------------------------------------------
-def _randn(gen: torch.Generator | None, shape: Sequence[int], scale: float = 1.0) -> torch.Tensor:
-    return scale * torch.randn(tuple(shape), generator=gen)
+# -- inputs: the ops' specs (kernels/<op>.py) --------------------------------------------------------------------------
+def _specs() -> dict[str, Any]:
+    from ..kernels.registry import list_specs
 
-
-def _targets(gen: torch.Generator | None, rows: int, vocab: int) -> torch.Tensor:
-    target = torch.randint(0, vocab, (rows,), generator=gen)
-    target[::16] = -100  # padding, as a batch of uneven sequences has
-    return target
-
-
-def _rope_tables(seq: int, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    # as LlamaRotaryEmbedding: one angle per position and frequency, then cat(freqs, freqs)
-    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-    freqs = torch.arange(seq, dtype=torch.float32)[None, :, None] * inv_freq[None, None, :]
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return emb.cos(), emb.sin()
-
-
-@dataclasses.dataclass(frozen=True)
-class _Case:
-    dims: str                                   # what the sizes mean
-    sizes: dict[str, tuple[int, ...]]           # SIZES -> dims
-    make: Callable[..., tuple[Any, ...]]        # (generator, *dims) -> float32 host arguments (targets: int64)
-    call: Callable[..., Any]                    # (kernels module, *args) -> output
-    differentiable: int                         # the leading arguments that get a gradient
-
-
-def _int4_dequantize() -> Callable[..., torch.Tensor]:
-    from ..quant.formats import get_format
-
-    return get_format("int4").dequantize
-
-
-def _cases() -> dict[str, _Case]:
-    def norm(g: torch.Generator | None, rows: int, hidden: int) -> tuple[Any, ...]:
-        return _randn(g, (rows, hidden)), 1 + _randn(g, (hidden,), 0.1)
-
-    def glu(g: torch.Generator | None, rows: int, inner: int) -> tuple[Any, ...]:
-        return _randn(g, (rows, inner)), _randn(g, (rows, inner))
-
-    return {
-        "rms_norm": _Case("rows × hidden", {"small": (1024, 1024), "medium": (4096, 4096), "large": (16384, 4096)},
-                          norm, lambda k, x, w: k.rms_norm(x, w), 2),
-        "layer_norm": _Case("rows × hidden", {"small": (1024, 1024), "medium": (4096, 4096),
-                                              "large": (16384, 4096)},
-                            lambda g, rows, hidden: (*norm(g, rows, hidden), _randn(g, (hidden,), 0.1)),
-                            lambda k, x, w, b: k.layer_norm(x, w, b), 3),
-        "swiglu": _Case("rows × intermediate", {"small": (1024, 2048), "medium": (4096, 8192),
-                                                "large": (8192, 14336)},
-                        glu, lambda k, gate, up: k.swiglu(gate, up), 2),
-        "geglu": _Case("rows × intermediate", {"small": (1024, 2048), "medium": (4096, 8192),
-                                               "large": (8192, 14336)},
-                       glu, lambda k, gate, up: k.geglu(gate, up), 2),
-        "rope": _Case("batch × q heads × kv heads × sequence × head dim",
-                      {"small": (1, 8, 2, 256, 64), "medium": (2, 32, 8, 1024, 128),
-                       "large": (4, 32, 8, 4096, 128)},
-                      lambda g, b, hq, hk, s, d: (_randn(g, (b, hq, s, d)), _randn(g, (b, hk, s, d)),
-                                                  *(t.expand(b, s, d) for t in _rope_tables(s, d))),
-                      lambda k, q, kk, cos, sin: k.rope(q, kk, cos, sin), 2),
-        "cross_entropy": _Case("rows × vocabulary", {"small": (512, 8192), "medium": (4096, 32000),
-                                                     "large": (8192, 128256)},
-                               lambda g, rows, vocab: (_randn(g, (rows, vocab), 2.0), _targets(g, rows, vocab)),
-                               lambda k, logits, target: k.cross_entropy(logits, target), 1),
-        "fused_linear_cross_entropy": _Case(
-            "tokens × hidden × vocabulary", {"small": (256, 512, 8192), "medium": (2048, 2048, 32000),
-                                              "large": (8192, 4096, 128256)},
-            lambda g, rows, hidden, vocab: (_randn(g, (rows, hidden)), _randn(g, (vocab, hidden), hidden**-0.5),
-                                            _targets(g, rows, vocab)),
-            lambda k, h, w, target: k.fused_linear_cross_entropy(h, w, target), 2),
-        "lowbit_matmul": _Case(
-            "rows × out features × in features (int4 weights, groups of 128)",
-            {"small": (1, 4096, 4096), "medium": (16, 14336, 4096), "large": (2048, 14336, 4096)},
-            lambda g, rows, n, k: (_randn(g, (rows, k)), torch.randint(0, 256, (n, k // 2), generator=g,
-                                                                         dtype=torch.uint8),
-                                   _randn(g, (n, k // 128), 0.01).abs(), _randn(g, (n, k // 128))),
-            lambda k, x, q, scale, offset: k.lowbit_linear(
-                x, {"qweight": q, "scale": scale, "offset": offset}, "int4", 128, None,
-                dequantize=_int4_dequantize()), 1),
-    }
-
-
-_CASES = _cases()
+    return list_specs()
 
 
 def benchmarkable_ops() -> list[str]:
-    """The registered ops this tab can make inputs for.
+    """The registered ops this tab can make inputs for: every op with a spec.
 
     Example:
         >>> "rms_norm" in benchmarkable_ops()
@@ -131,7 +53,7 @@ def benchmarkable_ops() -> list[str]:
     """
     from ..kernels import list_kernels
 
-    return [op for op in list_kernels() if op in _CASES]
+    return [op for op in list_kernels() if op in _specs()]
 
 
 def describe_size(op: str, size: str) -> str:
@@ -141,8 +63,7 @@ def describe_size(op: str, size: str) -> str:
         >>> describe_size("rms_norm", "medium")
         'rows × hidden 4096×4096'
     """
-    case = _CASES[op]
-    return f"{case.dims} {'×'.join(map(str, case.sizes[size]))}"
+    return _specs()[op].describe(size)
 
 
 # -- the benchmark --------------------------------------------------------------------------------------------------
@@ -175,23 +96,21 @@ class Benchmark:
 
 
 def _step(op: str, args: tuple[Any, ...], backward: bool, gen: torch.Generator) -> Callable[[], Any]:
-    from .. import kernels
-
-    case = _CASES[op]
+    spec = _specs()[op]
     if not backward:
         def forward() -> Any:
             with torch.no_grad():
-                return case.call(kernels, *args)
+                return spec.call(*args)
         return forward
-    leaves = [arg.requires_grad_() for arg in args[:case.differentiable]]
-    outputs = case.call(kernels, *args)
+    leaves = [arg.requires_grad_() for arg in args[:spec.differentiable]]
+    outputs = spec.call(*args)
     outputs = outputs if isinstance(outputs, tuple) else (outputs,)
     grads = [torch.randn(o.shape, generator=gen).to(o.device, o.dtype) for o in outputs]
 
     def forward_backward() -> None:
         for leaf in leaves:
             leaf.grad = None
-        out = case.call(kernels, *args)
+        out = spec.call(*args)
         torch.autograd.backward(out if isinstance(out, tuple) else (out,), grads)
 
     return forward_backward
@@ -209,19 +128,10 @@ def _check_memory(host: tuple[torch.Tensor, ...], dtype: torch.dtype, backward: 
                          f"{info[0] / 2**30:.1f} GiB free; choose a smaller size")
 
 
-def _mode(op: str, name: str, auto: str) -> str | None:
-    # TORCHPORT_KERNELS names the implementations users choose between (reference, triton, npu); another one (the
-    # chunked fused loss on the CPU) runs when auto mode picks it
-    if name in _settings.KERNEL_MODES:
-        return name
-    return "auto" if name == auto else None
-
-
 def benchmark(job: Job, op: str, device: str, dtype: str = "float32", size: str = "small", backward: bool = False,
               *, warmup: int = WARMUP, iters: int = ITERS) -> Benchmark:
     """Time ``op`` on ``device`` with each implementation that serves the device (forced in turn with
-    ``TORCHPORT_KERNELS``, the reference last; one it has no mode for is timed when auto mode picks it) on the same
-    inputs: ``warmup`` untimed calls, then ``iters`` timed ones with :func:`torchport.bench.measure`. An
+    ``TORCHPORT_KERNELS``, the reference last) on the same inputs: ``warmup`` untimed calls, then ``iters`` timed ones with :func:`torchport.bench.measure`. An
     implementation that cannot run here is listed with the reason.
 
     Raises:
@@ -235,8 +145,8 @@ def benchmark(job: Job, op: str, device: str, dtype: str = "float32", size: str 
     """
     from ..kernels.registry import KernelError, implementation, list_kernels, select
 
-    if op not in _CASES:
-        raise ValueError(f"the dashboard has no benchmark inputs for op {op!r}; it has: {', '.join(_CASES)}")
+    if op not in _specs():
+        raise ValueError(f"the dashboard has no benchmark inputs for op {op!r}; it has: {', '.join(_specs())}")
     if size not in SIZES:
         raise ValueError(f"size {size!r} is not one of {', '.join(SIZES)}")
     if dtype not in DTYPES:
@@ -250,23 +160,18 @@ def benchmark(job: Job, op: str, device: str, dtype: str = "float32", size: str 
     names = [name for name in names if name != "reference"] + ["reference"]
     auto = select(op, dev, quiet=True).name
     job.report((0, len(names)), f"{op}: making {describe_size(op, size)} inputs on {dev}")
-    case = _CASES[op]
+    spec = _specs()[op]
     with torch.device("meta"):  # shapes only: a size that does not fit is refused before anything is made
-        _check_memory(case.make(None, *case.sizes[size]), torch_dtype, backward, backend, index,
+        _check_memory(spec.inputs(size), torch_dtype, backward, backend, index,
                       f"{op} {size} ({describe_size(op, size)})")
     gen = torch.Generator().manual_seed(0)
-    host = case.make(gen, *case.sizes[size])
+    host = spec.inputs(size, gen)
     args = tuple(t.to(dev, torch_dtype) if t.is_floating_point() else t.to(dev) for t in host)
     timings = []
     for count, name in enumerate(names):
         job.report((count, len(names)), f"{op}: timing {name} on {dev}")
-        mode = _mode(op, name, auto)
-        if mode is None:
-            timings.append(Timing(name, error=f"TORCHPORT_KERNELS cannot force {name!r} (its modes: "
-                                              f"{', '.join(_settings.KERNEL_MODES)}), and auto picks {auto!r} here"))
-            continue
         try:
-            with _settings.override(kernels=f"{op}={mode}"):
+            with _settings.override(kernels=f"{op}={name}"):
                 step = _step(op, tuple(a.detach() for a in args), backward, gen)
                 # a cancel is seen within one call (the check costs ~0.1 us of host time per call)
                 timed = measure(lambda: (job.check(), step()), warmup=warmup, iters=iters, device=dev)

@@ -27,7 +27,6 @@ import contextvars
 import dataclasses
 import importlib
 import pkgutil
-import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -36,6 +35,7 @@ import torch
 import torch.fx
 
 from ... import _logging, _settings
+from ..._registry import Registry
 
 __all__ = [
     "FOREIGN_OPS_REFUSED",
@@ -141,9 +141,14 @@ class PassRecord:
         return f"{self.name}: {'; '.join(self.notes) or 'rewrote the graph'} ({delta})"
 
 
-_PASSES: dict[str, Pass] = {}
-_lock = threading.Lock()
-_loaded = False
+def _import_passes() -> None:
+    # every module of this package is one pass: adding a pass is adding a file
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if not info.name.startswith("_"):  # private helpers (_graph) register nothing
+            importlib.import_module(f"{__name__}.{info.name}")
+
+
+_PASSES: Registry[Pass] = Registry("compile pass", load=_import_passes, origin=lambda p: p.fn.__module__)
 _context: contextvars.ContextVar[PassContext | None] = contextvars.ContextVar("torchport_pass_context", default=None)
 _notes: contextvars.ContextVar[list[str] | None] = contextvars.ContextVar("torchport_pass_notes", default=None)
 
@@ -160,42 +165,21 @@ def register_pass(name: str, *, order: int, training: bool = True, default: bool
     """
 
     def decorate(fn: GraphPass) -> GraphPass:
-        with _lock:
-            if name in _PASSES:
-                raise ValueError(f"a compile pass named {name!r} is already registered ({_PASSES[name].fn.__module__})")
-            summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
-            _PASSES[name] = Pass(name, fn, order, training, default, summary, fusion)
+        summary = (fn.__doc__ or "").strip().splitlines()[0] if fn.__doc__ else ""
+        _PASSES.register(name, Pass(name, fn, order, training, default, summary, fusion))
         return fn
 
     return decorate
 
 
-def _ensure_loaded() -> None:
-    global _loaded
-    if _loaded:
-        return
-    with _lock:
-        if _loaded:
-            return
-        _loaded = True
-    # every module of this package is one pass: adding a pass is adding a file
-    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        if not info.name.startswith("_"):  # private helpers (_graph) register nothing
-            importlib.import_module(f"{__name__}.{info.name}")
-
-
 def list_passes() -> list[Pass]:
     """Every registered pass, in the order they run."""
-    _ensure_loaded()
-    return sorted(_PASSES.values(), key=lambda p: (p.order, p.name))
+    return sorted(_PASSES.entries().values(), key=lambda p: (p.order, p.name))
 
 
 def get_pass(name: str) -> Pass:
     """The pass named ``name``; an unknown name is an error listing the registered ones."""
-    _ensure_loaded()
-    if name not in _PASSES:
-        raise ValueError(f"no compile pass named {name!r}; registered: {', '.join(p.name for p in list_passes())}")
-    return _PASSES[name]
+    return _PASSES.get(name)
 
 
 def context() -> PassContext:
