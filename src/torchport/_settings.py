@@ -57,10 +57,10 @@ import dataclasses
 import functools
 import os
 import re
-from collections.abc import Iterator, Mapping
+from collections.abc import Hashable, Iterator, Mapping
 from typing import Any
 
-__all__ = ["LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "value"]
+__all__ = ["LOG_TOPICS", "MODES", "Settings", "cache_dir", "logging_enabled", "VARIABLES", "environment", "get", "override", "parse_device_spec", "source", "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -250,6 +250,28 @@ def value(name: str) -> Any:
     if name in forced:
         return _validate(name, forced[name], name)
     return _validate(name, os.environ.get(VARIABLES[name]), VARIABLES[name])
+
+
+def source(name: str) -> Hashable:
+    """What the value of setting ``name`` comes from now: its code override or its environment variable's text,
+    unvalidated and hashable. Equal sources give equal values, so callers key caches of decisions on it (a kernel
+    choice per call costs a dictionary lookup instead of parsing and validating ``TORCHPORT_KERNELS``).
+
+    Example:
+        >>> torchport.settings.source("kernels")
+        ('env', None)
+    """
+    forced = _overrides.get()
+    if name in forced:
+        raw = forced[name]
+        if isinstance(raw, Mapping):
+            raw = tuple(sorted((str(k), repr(v)) for k, v in raw.items()))
+        try:
+            hash(raw)
+        except TypeError:
+            raw = repr(raw)
+        return ("override", raw)
+    return ("env", os.environ.get(VARIABLES[name]))
 
 
 def get() -> Settings:

@@ -566,10 +566,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         if not divisor > 0:
             raise ValueError(f"{op}: num_items_in_batch must be > 0, got {num_items_in_batch}")
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    n_valid = check_targets(op, flat, vocab, ignore_index)
-    loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
-                         reduction, divisor, n_valid, float(z_loss), None if softcap is None else float(softcap),
-                         loss_dtype)
+    check_targets(op, flat, vocab, ignore_index)
+    softcap = None if softcap is None else float(softcap)
+    if torch.compiler.is_compiling():  # a constant to dynamo: the compiled graph calls the custom op
+        loss = registry.custom_op(op)(rows, weight, flat, bias, int(ignore_index), float(label_smoothing), reduction,
+                                      divisor, float(z_loss), softcap)
+        loss = loss.to(loss_dtype or hidden.dtype)
+    else:
+        loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
+                             reduction, divisor, None, float(z_loss), softcap, loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -620,4 +625,6 @@ SPEC = registry.register_op(OpSpec(
     # contender is counted at the unfused op's 6·N·H·V
     bytes_moved=lambda hidden, weight, target: 2 * (hidden.numel() + weight.numel()) * hidden.element_size(),
     flops=lambda hidden, weight, target: 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0],
+    custom_op="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
+              "str reduction, float? divisor, float z_loss, float? softcap) -> Tensor",
 ))

@@ -47,6 +47,7 @@ import torch
 from .checks import widen
 from .registry import list_specs
 from .cross_entropy import REDUCTIONS, cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .glu import geglu, swiglu
 from .rms_norm import rms_norm
 from .rope import rope
@@ -269,10 +270,11 @@ def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("torchport::cross_entropy", mutates_args=(), schema=_schema("cross_entropy"))
-def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     # Per-row losses in the logits' dtype, summed here in float32: one rounding per row, none of the sum.
-    rows = cross_entropy(logits.detach(), target, ignore_index, label_smoothing, "none").to(_loss_dtype(logits))
+    rows = cross_entropy(logits.detach(), target, ignore_index, label_smoothing, "none",
+                         z_loss=z_loss).to(_loss_dtype(logits))
     if reduction == "none":
         return rows
     total = rows.sum()
@@ -282,7 +284,7 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction):
+def _(logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     shape = target.shape if reduction == "none" else ()
     return logits.new_empty(shape, dtype=_loss_dtype(logits))
@@ -290,13 +292,14 @@ def _(logits, target, ignore_index, label_smoothing, reduction):
 
 @torch.library.custom_op(
     "torchport::cross_entropy_backward", mutates_args=(),
-    schema="(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) "
-           "-> Tensor",
+    schema="(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+           "float z_loss=0.0) -> Tensor",
 )
-def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     ones = torch.ones((), dtype=logits.dtype, device=logits.device)
-    (dlogits,) = _vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum"), (logits,), ones)
+    (dlogits,) = _vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum", z_loss=z_loss),
+                      (logits,), ones)
     if reduction == "none":
         scale = grad.unsqueeze(-1)
     elif reduction == "mean":
@@ -307,23 +310,89 @@ def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing,
 
 
 @_cross_entropy_backward.register_fake
-def _(grad, logits, target, ignore_index, label_smoothing, reduction):
+def _(grad, logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     return torch.empty_like(logits)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.reduction = inputs
+    logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.reduction, ctx.z_loss = inputs
     ctx.save_for_backward(logits, target)
 
 
 def _cross_entropy_grad(ctx, grad):
     logits, target = ctx.saved_tensors
     dlogits = torch.ops.torchport.cross_entropy_backward(grad, logits, target, ctx.ignore_index,
-                                                         ctx.label_smoothing, ctx.reduction)
-    return dlogits, None, None, None, None
+                                                         ctx.label_smoothing, ctx.reduction, ctx.z_loss)
+    return dlogits, None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# --- fused_linear_cross_entropy -------------------------------------------------------------------------------------
+
+def _linear_loss(target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap, loss_dtype):
+    """``fused_linear_cross_entropy`` of ``(hidden, weight[, bias])`` with the other arguments fixed."""
+    def loss(hidden, weight, *with_bias):
+        return fused_linear_cross_entropy(hidden, weight, target, with_bias[0] if with_bias else bias, ignore_index,
+                                          label_smoothing, reduction, num_items_in_batch=divisor, z_loss=z_loss,
+                                          softcap=softcap, loss_dtype=loss_dtype)
+
+    return loss
+
+
+@torch.library.custom_op("torchport::fused_linear_cross_entropy", mutates_args=(),
+                         schema=_schema("fused_linear_cross_entropy"))
+def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor,
+                                z_loss, softcap):
+    _check_reduction(reduction)
+    fn = _linear_loss(target, None if bias is None else bias.detach(), ignore_index, label_smoothing, reduction,
+                      divisor, z_loss, softcap, _loss_dtype(hidden))
+    return fn(hidden.detach(), weight.detach())
+
+
+@_fused_linear_cross_entropy.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+    _check_reduction(reduction)
+    return hidden.new_empty(target.shape if reduction == "none" else (), dtype=_loss_dtype(hidden))
+
+
+@torch.library.custom_op(
+    "torchport::fused_linear_cross_entropy_backward", mutates_args=(),
+    schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+           "float label_smoothing, str reduction, float? divisor, float z_loss, float? softcap) "
+           "-> (Tensor, Tensor, Tensor)",
+)
+def _fused_linear_cross_entropy_backward(grad, hidden, weight, target, bias, ignore_index, label_smoothing,
+                                         reduction, divisor, z_loss, softcap):
+    fn = _linear_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
+                      _loss_dtype(hidden))
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    grads = _vjp(fn, inputs, grad)
+    # a custom op returns tensors, never None: no bias gives an empty gradient, dropped by the autograd formula
+    return grads[0], grads[1], grads[2] if bias is not None else hidden.new_empty(0)
+
+
+@_fused_linear_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+    return torch.empty_like(hidden), torch.empty_like(weight), \
+        torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
+
+
+def _fused_linear_cross_entropy_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *ctx.options = inputs
+    ctx.save_for_backward(hidden, weight, target, bias)
+
+
+def _fused_linear_cross_entropy_grad(ctx, grad):
+    hidden, weight, target, bias = ctx.saved_tensors
+    dh, dw, db = torch.ops.torchport.fused_linear_cross_entropy_backward(grad, hidden, weight, target, bias,
+                                                                         *ctx.options)
+    return dh, dw, None, None if bias is None else db, *(None,) * len(ctx.options)
+
+
+_fused_linear_cross_entropy.register_autograd(_fused_linear_cross_entropy_grad,
+                                              setup_context=_fused_linear_cross_entropy_setup)
 
 
 _missing = [name for name in _FORWARD if not hasattr(torch.ops.torchport, name)]
