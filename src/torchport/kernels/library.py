@@ -5,7 +5,9 @@ implementation at run time cannot sit in a compiled graph as it is. As a custom 
 gives the output's shape, dtype and strides to the tracer; its real implementation calls the kernel through
 :mod:`torchport.kernels.registry` at run time, so the per-device choice (Triton on CUDA, the fused operator on
 Ascend, the reference elsewhere) still happens per call. The compile passes of :mod:`torchport.compile.passes`
-rewrite plain-PyTorch subgraphs into calls of these ops.
+rewrite plain-PyTorch subgraphs into calls of these ops, and under ``torch.compile`` the public functions of
+:mod:`torchport.kernels` call them (:func:`torchport.kernels.registry.custom_op`), so patched models compile with
+no graph break.
 
 =====================================================  ===============================================  ==========
 op                                                     computes                                         backward
@@ -14,7 +16,10 @@ op                                                     computes                 
 ``swiglu(gate, up)`` / ``geglu(gate, up)``             :func:`~torchport.kernels.swiglu` / ``geglu``    recompute
 ``rope(q, k, cos, sin) -> (q, k)``                     :func:`torchport.kernels.rope`                   rotation
 ``cross_entropy(logits, target, ignore_index,          :func:`torchport.kernels.cross_entropy`, the     recompute
-label_smoothing, reduction)``                          loss in float32 (float64 for float64 logits)
+label_smoothing, reduction, z_loss=0.0)``              loss in float32 (float64 for float64 logits)
+``fused_linear_cross_entropy(hidden, weight, target,   :func:`torchport.kernels.fused_linear_cross_     recompute
+bias, ignore_index, label_smoothing, reduction,        entropy` (``divisor``: ``num_items_in_batch``),
+divisor, z_loss, softcap)``                            the loss in float32 (float64 for float64)
 =====================================================  ===============================================  ==========
 
 Backward:
@@ -27,6 +32,9 @@ Backward:
 * ``rope`` is linear in q and k: its gradient is the same rotation with the sine's halves exchanged and negated,
   so ``torchport::rope_backward`` runs the rope kernel itself, once (cos and sin get gradients too, in plain
   PyTorch, when they need them).
+* ``fused_linear_cross_entropy``'s backward runs the op again with autograd on the saved hidden states and weight
+  (its forward computes the gradients in its two passes), so a compiled graph pays its forward twice; the eager
+  path pays it once.
 * ``cross_entropy``'s backward differentiates the summed loss with an upstream gradient of exactly 1 and scales the
   result in float32 afterwards (by the upstream gradient, divided by the kept rows for a mean), so a bfloat16 kernel
   never sees a rounded 1/num_items. The forward rounds each row's loss to the logits' dtype and sums in float32.

@@ -8,8 +8,8 @@ Each mode composes what torchport already has, and reports exactly what it chang
 ``speed``
     balanced, plus TF32 for float32 matmuls and convolutions where the device has it (the backend says; CUDA from
     Ampere on), plus ``torch.compile(backend="torchport")`` where the model compiles cleanly: ``torch._dynamo.explain``
-    on an example finds no graph break. The compiled model gets its fusion from the compiler, so torchport's patched
-    forwards, which dynamo cannot trace without graph breaks, are not put in then.
+    on an example finds no graph break. The model is patched first: its patched forwards call torchport's kernels
+    as ``torch.library`` custom ops, which the compiled graph keeps (the compiler fuses everything around them).
 ``memory``
     balanced, plus weight-only low-bit weights (:func:`torchport.quantize` in
     :func:`torchport.quant.default_format`; ``lm_head``, embeddings and tied weights stay as they are), activation
@@ -170,12 +170,11 @@ def _enable_model(mode: str, model: nn.Module, present: torch.device, example: A
                    "(model.to(torchport.device())); enable applies the cpu's choices", changed=False)
     steps.step_dtype(mode, model, target, journal, report)
     steps.step_attention(hf, target, journal, report)
-    compiled = False
+    # patched forwards call torchport's custom ops under torch.compile, so speed mode compiles the patched model
+    steps.step_kernels(model, hf, report, journal)
     if mode == "speed":
         steps.step_tf32(target, journal, report)
-        compiled = steps.step_compile(model, hf, example, where or target, journal, report)
-    steps.step_kernels(model, hf, report, journal,
-                       "left to the compiler (patched forwards break dynamo's graph)" if compiled else None)
+        steps.step_compile(model, hf, example, where or target, journal, report)
     if mode == "memory":
         steps.step_quantize(model, hf, target, journal, report)
         steps.step_checkpointing(model, hf, journal, report)

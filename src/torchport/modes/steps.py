@@ -144,13 +144,10 @@ def step_dtype(mode: str, model: nn.Module, device: torch.device, journal: Journ
                    f"{count} tensors; non-persistent buffers and keep-in-fp32 modules stay")
 
 
-def step_kernels(model: nn.Module, hf: nn.Module | None, report: Report, journal: Journal,
-                 reason: str | None = None) -> None:
+def step_kernels(model: nn.Module, hf: nn.Module | None, report: Report, journal: Journal) -> None:
     from .. import models
 
-    if reason is not None:
-        report.add("kernels", "model's forwards", "model's forwards", reason)
-    elif hf is None:
+    if hf is None:
         report.add("kernels", "model's forwards", "model's forwards",
                    "not a transformers model: use torchport.kernels in its modules")
     elif getattr(hf.config, "model_type", None) not in models.supported():
