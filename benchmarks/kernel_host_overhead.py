@@ -85,6 +85,10 @@ def main() -> None:
 
         simulate_npu()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if device.type != "cuda":
+        # host-side arithmetic on tiny tensors: one thread, or the OpenMP pool's wake-ups (milliseconds on a loaded
+        # machine) swamp the per-call cost being measured
+        torch.set_num_threads(1)
     steps = cases(device, dtype)
     try:
         from liger_kernel.ops.rms_norm import LigerRMSNormFunction

@@ -253,25 +253,25 @@ def value(name: str) -> Any:
 
 
 def source(name: str) -> Hashable:
-    """What the value of setting ``name`` comes from now: its code override or its environment variable's text,
-    unvalidated and hashable. Equal sources give equal values, so callers key caches of decisions on it (a kernel
-    choice per call costs a dictionary lookup instead of parsing and validating ``TORCHPORT_KERNELS``).
+    """What the value of setting ``name`` comes from now, unvalidated and hashable: its environment variable's text
+    (None when unset), or ``("override", value)`` inside :func:`override`. Equal sources give equal values, so
+    callers key caches of decisions on it (a kernel call looks its implementation up by it instead of parsing and
+    validating ``TORCHPORT_KERNELS``).
 
     Example:
-        >>> torchport.settings.source("kernels")
-        ('env', None)
+        >>> torchport.settings.source("kernels")   # None unless TORCHPORT_KERNELS is set
     """
     forced = _overrides.get()
-    if name in forced:
-        raw = forced[name]
-        if isinstance(raw, Mapping):
-            raw = tuple(sorted((str(k), repr(v)) for k, v in raw.items()))
-        try:
-            hash(raw)
-        except TypeError:
-            raw = repr(raw)
-        return ("override", raw)
-    return ("env", os.environ.get(VARIABLES[name]))
+    if not forced or name not in forced:  # the common case first: read on every kernel call
+        return os.environ.get(VARIABLES[name])
+    raw = forced[name]
+    if isinstance(raw, Mapping):
+        raw = tuple(sorted((str(k), repr(v)) for k, v in raw.items()))
+    try:
+        hash(raw)
+    except TypeError:
+        raw = repr(raw)
+    return ("override", raw)
 
 
 def get() -> Settings:

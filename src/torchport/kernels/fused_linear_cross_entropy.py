@@ -262,7 +262,9 @@ class _Options:
     z_loss: float
     softcap: float | None
     reduction: str
-    scale: float  # the reduction's factor: 1/n_valid for a mean, 1/num_items_in_batch, or 1
+    # the reduction's factor: 1/num_items_in_batch or 1, or for a mean 1/n_valid as a 0-dim tensor on the device
+    # (counting the kept rows on the host would synchronise)
+    scale: float | torch.Tensor
     loss_dtype: torch.dtype | None
 
 
@@ -291,11 +293,9 @@ def _pass_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out_acc = torch.empty(plan.tokens, hidden_size, dtype=acc, device=hidden.device) if want_h else None
     smooth_acc = torch.empty_like(out_acc) if two else None
     colsum = weight.sum(0, dtype=acc) if want_h and eps and softcap is None else None
-    starts = range(0, n, plan.tokens)
-    busy = F.pad(valid, (0, len(starts) * plan.tokens - n)).view(-1, plan.tokens).any(1).tolist()
-    for a, used in zip(starts, busy):
-        if not used:
-            continue  # every target of the block ignored: loss 0, gradient 0
+    # Every block runs, even one whose targets are all ignored (its rows get loss 0 and gradient 0): skipping it
+    # would need the mask on the host, a synchronisation per call.
+    for a in range(0, n, plan.tokens):
         b = min(n, a + plan.tokens)
         h, t = hidden[a:b], target[a:b]
         state = (m[a:b], d[a:b], x_t[a:b], total[a:b])
@@ -444,12 +444,15 @@ def _two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, 
               ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
               z_loss: float, softcap: float | None, loss_dtype: torch.dtype | None,
               math_: _SliceMath) -> torch.Tensor:
-    if n_valid is None:
-        n_valid = int((target != ignore_index).sum())
     if divisor is not None:
-        scale = 1.0 / divisor
+        scale: float | torch.Tensor = 1.0 / divisor
+    elif reduction != "mean":
+        scale = 1.0
+    elif n_valid is not None:
+        scale = 1.0 / max(n_valid, 1)
     else:
-        scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        kept = (target != ignore_index).sum().clamp_min(1)
+        scale = 1.0 / kept.to(_accumulator(hidden))
     opts = _Options(ignore_index, label_smoothing, z_loss, softcap, reduction, scale, loss_dtype)
     return _TwoPassFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)
 
