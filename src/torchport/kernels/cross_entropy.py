@@ -217,7 +217,7 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
     check_targets(op, flat, vocab, ignore_index)
-    if torch.compiler.is_compiling():  # a constant to dynamo: the compiled graph calls the custom op
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
         loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss))
         loss = loss.to(loss_dtype or logits.dtype)
     else:

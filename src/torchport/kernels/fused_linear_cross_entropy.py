@@ -571,7 +571,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     check_targets(op, flat, vocab, ignore_index)
     softcap = None if softcap is None else float(softcap)
-    if torch.compiler.is_compiling():  # a constant to dynamo: the compiled graph calls the custom op
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
         loss = registry.custom_op(op)(rows, weight, flat, bias, int(ignore_index), float(label_smoothing), reduction,
                                       divisor, float(z_loss), softcap)
         loss = loss.to(loss_dtype or hidden.dtype)

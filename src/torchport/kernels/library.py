@@ -13,6 +13,7 @@ no graph break.
 op                                                     computes                                         backward
 =====================================================  ===============================================  ==========
 ``rms_norm(x, weight, eps, offset)``                   :func:`torchport.kernels.rms_norm`               recompute
+``layer_norm(x, weight, bias, eps)``                   :func:`torchport.kernels.layer_norm`             recompute
 ``swiglu(gate, up)`` / ``geglu(gate, up)``             :func:`~torchport.kernels.swiglu` / ``geglu``    recompute
 ``rope(q, k, cos, sin) -> (q, k)``                     :func:`torchport.kernels.rope`                   rotation
 ``cross_entropy(logits, target, ignore_index,          :func:`torchport.kernels.cross_entropy`, the     recompute
@@ -57,6 +58,7 @@ from .registry import list_specs
 from .cross_entropy import REDUCTIONS, cross_entropy
 from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .glu import geglu, swiglu
+from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .rope import rope
 
@@ -160,6 +162,59 @@ def _rms_norm_grad(ctx, grad):
 
 
 _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# --- layer_norm -----------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("torchport::layer_norm", mutates_args=(), schema=_schema("layer_norm"))
+def _layer_norm(x, weight, bias, eps):
+    weight, bias = (None if t is None else t.detach() for t in (weight, bias))
+    return _fresh(layer_norm(x.detach(), weight, bias, eps), x, [t for t in (x, weight, bias) if t is not None])
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torchport::layer_norm_backward", mutates_args=(),
+                         schema="(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, float eps) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _layer_norm_backward(grad, x, weight, bias, eps):
+    present = [t for t in (weight, bias) if t is not None]
+    has_weight = weight is not None
+
+    def fn(x, *affine):
+        w = affine[0] if has_weight else None
+        b = affine[-1] if bias is not None else None
+        return layer_norm(x, w, b, eps)
+
+    found = iter(_vjp(fn, (x, *present), grad))
+    dx = next(found)
+    # a custom op returns tensors, never None: a missing weight or bias gets an empty gradient, dropped below
+    dw = next(found) if has_weight else x.new_empty(0)
+    db = next(found) if bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+@_layer_norm_backward.register_fake
+def _(grad, x, weight, bias, eps):
+    return (torch.empty_like(x), x.new_empty(0) if weight is None else torch.empty_like(weight),
+            x.new_empty(0) if bias is None else torch.empty_like(bias))
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, ctx.eps = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _layer_norm_grad(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.torchport.layer_norm_backward(grad, x, weight, bias, ctx.eps)
+    return dx, None if weight is None else dw, None if bias is None else db, None
+
+
+_layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
 
 
 # --- swiglu, geglu --------------------------------------------------------------------------------------------------
