@@ -275,7 +275,8 @@ def test_speed_mode_compiles_a_model_that_compiles_cleanly(monkeypatch) -> None:
     report = torchport.enable("speed", model)
     rows = {row.setting: row for row in report.rows}
     assert rows["compile"].changed and model._compiled_call_impl is not None
-    assert not rows["kernels"].changed and "compiler" in rows["kernels"].note and not models.is_patched(model)
+    # the patched forwards stay in: the compiled graph calls torchport's custom ops
+    assert rows["kernels"].changed and models.is_patched(model)
     assert rows["tf32"].note == "cpu has no TF32 here" and not rows["tf32"].changed
     with torch.no_grad():
         assert _rel(model(ids).logits, expected) < 1e-5

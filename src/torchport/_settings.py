@@ -23,11 +23,12 @@ import dataclasses
 import functools
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 __all__ = ["LOG_TOPICS", "MODES", "ROWS", "Row", "Settings", "VARIABLES", "cache_dir", "environment",
-           "get", "kernel_modes", "logging_enabled", "markdown_table", "override", "parse_device_spec", "value"]
+           "get", "kernel_modes", "logging_enabled", "markdown_table", "override", "parse_device_spec", "source",
+           "value"]
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -291,6 +292,28 @@ def value(name: str) -> Any:
     if name in forced:
         return _validate(name, forced[name], name)
     return _validate(name, os.environ.get(VARIABLES[name]), VARIABLES[name])
+
+
+def source(name: str) -> Hashable:
+    """What the value of setting ``name`` comes from now, unvalidated and hashable: its environment variable's text
+    (None when unset), or ``("override", value)`` inside :func:`override`. Equal sources give equal values, so
+    callers key caches of decisions on it (a kernel call looks its implementation up by it instead of parsing and
+    validating ``TORCHPORT_KERNELS``).
+
+    Example:
+        >>> torchport.settings.source("kernels")   # None unless TORCHPORT_KERNELS is set
+    """
+    forced = _overrides.get()
+    if not forced or name not in forced:  # the common case first: read on every kernel call
+        return os.environ.get(VARIABLES[name])
+    raw = forced[name]
+    if isinstance(raw, Mapping):
+        raw = tuple(sorted((str(k), repr(v)) for k, v in raw.items()))
+    try:
+        hash(raw)
+    except TypeError:
+        raw = repr(raw)
+    return ("override", raw)
 
 
 def get() -> Settings:

@@ -124,7 +124,7 @@ def test_bad_arguments_get_the_kernels_errors():
         ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6, 0.0)
     with pytest.raises(ValueError, match="rope: head_dim must be even"):
         ops.rope(torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 5), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
-    with pytest.raises(ValueError, match=r"target\(s\) outside \[0, 3\)"):
+    with pytest.raises(RuntimeError, match=r"a target is below 0 or at least the vocabulary size 3.*\[0, 3\)"):
         ops.cross_entropy(torch.randn(2, 3), torch.tensor([0, 7]), -100, 0.0, "mean")
 
 
@@ -179,11 +179,22 @@ def _opcheck_cases():
     target = torch.tensor([1, -100, 3, 0])
     return {
         "rms_norm": (ops.rms_norm.default, (r(3, 8), r(8), 1e-6, 1.0)),
+        "layer_norm": (ops.layer_norm.default, (r(3, 8), r(8), r(8), 1e-5)),
+        "layer_norm_no_bias": (ops.layer_norm.default, (r(3, 8), r(8), None, 1e-5)),
+        "layer_norm_no_affine": (ops.layer_norm.default, (r(3, 8), None, None, 1e-5)),
         "swiglu": (ops.swiglu.default, (r(3, 8), r(3, 8))),
         "geglu": (ops.geglu.default, (r(3, 8), r(3, 8))),
         "rope": (ops.rope.default, (r(2, 2, 3, 8), r(2, 1, 3, 8), r(1, 3, 8), r(1, 3, 8))),
         "cross_entropy_mean": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.1, "mean")),
         "cross_entropy_none": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.0, "none")),
+        "cross_entropy_z_loss": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.0, "sum", 1e-2)),
+        "fused_linear_cross_entropy_mean": (ops.fused_linear_cross_entropy.default,
+                                            (r(4, 5), r(6, 5), target, None, -100, 0.1, "mean", None, 0.0, None)),
+        "fused_linear_cross_entropy_bias_none": (
+            ops.fused_linear_cross_entropy.default,
+            (r(4, 5), r(6, 5), target, r(6), -100, 0.0, "none", None, 1e-3, 5.0)),
+        "fused_linear_cross_entropy_divisor": (ops.fused_linear_cross_entropy.default,
+                                               (r(4, 5), r(6, 5), target, None, -100, 0.0, "sum", 7.0, 0.0, None)),
     }
 
 
@@ -223,13 +234,20 @@ def test_torch_compile_fullgraph_forward_and_backward_equal_eager(backend):
     torch._dynamo.reset()
 
 
-def test_only_the_compile_passes_import_the_library():
+def test_only_compiling_imports_the_library():
     """``import torchport`` (and ``torchport.kernels``) stays as fast as it was: only the compile passes, imported
-    when a graph is compiled, import this module."""
+    when a graph is compiled, and ``registry.custom_op``, which the public functions call under ``torch.compile``,
+    import this module; an eager kernel call does not."""
     src = pathlib.Path(torchport.__file__).parent
-    importers = {path.relative_to(src).parent.as_posix() for path in src.rglob("*.py")
+    importers = {path.relative_to(src).as_posix() for path in src.rglob("*.py")
                  for node in ast.walk(ast.parse(path.read_text())) if _imports_library(node, path)}
-    assert importers == {"compile/passes"}
+    assert {path.rsplit("/", 1)[0] for path in importers} - {"kernels"} == {"compile/passes"}
+    assert {path for path in importers if path.startswith("kernels/")} == {"kernels/registry.py"}
+    code = ("import sys, torch, torchport\n"
+            "torchport.kernels.rms_norm(torch.randn(2, 8, requires_grad=True), torch.ones(8)).sum().backward()\n"
+            "assert 'torchport.kernels.library' not in sys.modules\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def _imports_library(node: ast.AST, path: pathlib.Path) -> bool:
@@ -259,3 +277,29 @@ def test_backward_works_when_the_library_is_first_imported_below_autograd() -> N
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("name", [name for name, spec in registry.list_specs().items() if spec.custom_op])
+def test_public_functions_compile_to_their_custom_op_with_no_graph_break(name):
+    """Under torch.compile each op's public function calls its custom op (fullgraph: no graph break, no host
+    synchronisation); values and gradients equal the eager call's."""
+    spec = registry.list_specs()[name]
+    torch._dynamo.reset()
+    args = [a.requires_grad_() if i < spec.differentiable else a
+            for i, a in enumerate(spec.inputs("test", torch.Generator().manual_seed(0)))]
+    leaves = args[:spec.differentiable]
+
+    def outputs(fn):
+        out = fn(*args)
+        out = out if isinstance(out, tuple) else (out,)
+        return out, torch.autograd.grad(sum(o.float().square().sum() for o in out), leaves)
+
+    explained = torch._dynamo.explain(spec.call)(*args)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    called = {str(node.target) for graph in explained.graphs for node in graph.graph.nodes}
+    assert f"torchport.{name}" in called, called
+    eager, eager_grads = outputs(spec.call)
+    compiled, grads = outputs(torch.compile(spec.call, backend="aot_eager", fullgraph=True))
+    for got, want in zip((*compiled, *grads), (*eager, *eager_grads)):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()

@@ -75,7 +75,8 @@ def expected_capped(hidden, weight, bias, t, smoothing, reduction, z_loss=0.0, s
 
 
 def run(impl, hidden, weight, t, bias, smoothing, reduction, divisor=None, **options):
-    n_valid = check_targets("test", t, weight.shape[0], IGNORE)
+    n_valid = None
+    check_targets("test", t, weight.shape[0], IGNORE)
     args = (hidden, weight, t, bias, IGNORE, smoothing, reduction, divisor, n_valid,
             options.get("z_loss", 0.0), options.get("softcap"), options.get("loss_dtype"))
     return call(OP, impl, *args)
@@ -192,7 +193,7 @@ def test_bad_input_is_a_clear_error(device):
         fl(h, torch.randn(10, 7, device=device), t)
     with pytest.raises(ValueError, match=r"bias must have shape \[vocab\] = \[10\], got \[9\]"):
         fl(h, w, t, torch.zeros(9, device=device))
-    with pytest.raises(ValueError, match=r"1 target\(s\) outside \[0, 10\).*e.g. 12"):
+    with pytest.raises(RuntimeError, match=r"a target is below 0 or at least the vocabulary size 10.*\[0, 10\)"):
         fl(h, w, torch.tensor([1, 12, IGNORE, 3], device=device))
     with pytest.raises(ValueError, match=r"target must have shape \[4\]"):
         fl(h, w, t[:3])

@@ -150,3 +150,42 @@ def test_every_registered_implementation_can_be_forced() -> None:
     with pytest.raises(ValueError, match=r"'fast' is not a kernel mode; valid modes: auto, chunked, npu, reference"):
         with torchport.settings.override(kernels="fast"):
             pass
+
+
+def test_the_choice_is_kept_until_the_setting_or_the_registry_changes(monkeypatch, fresh_registry):
+    """A kernel call looks its implementation up (no settings parse, no probes); a new TORCHPORT_KERNELS value, an
+    override, a registration or refresh() makes the next call choose again."""
+    chosen = []
+    choose = registry._select
+    monkeypatch.setattr(registry, "_select", lambda *args: chosen.append(args[:2]) or choose(*args))
+    cpu = torch.device("cpu")
+    x, w = torch.randn(2, 8), torch.ones(8)
+    for _ in range(3):
+        torchport.kernels.rms_norm(x, w)
+    assert chosen == [("rms_norm", cpu)] and not registry.forced("rms_norm")
+    with torchport.settings.override(kernels="rms_norm=reference"):
+        assert registry.forced("rms_norm")
+        torchport.kernels.rms_norm(x, w)
+        torchport.kernels.rms_norm(x, w)
+    assert len(chosen) == 2
+    torchport.kernels.rms_norm(x, w)  # back to the environment's value: chosen before
+    assert len(chosen) == 2 and not registry.forced("rms_norm")
+    monkeypatch.setenv("TORCHPORT_KERNELS", "reference")
+    torchport.kernels.rms_norm(x, w)
+    assert len(chosen) == 3 and registry.forced("rms_norm")
+    monkeypatch.setenv("TORCHPORT_KERNELS", "triton")
+    with pytest.raises(KernelError, match="'triton' for 'rms_norm', which does not run on cpu"):
+        torchport.kernels.rms_norm(x, w)  # a refusal is never kept: it is raised again
+    with pytest.raises(KernelError, match="does not run on cpu"):
+        torchport.kernels.rms_norm(x, w)
+    monkeypatch.delenv("TORCHPORT_KERNELS")
+    registry.refresh()
+    torchport.kernels.rms_norm(x, w)
+    assert chosen[-1] == ("rms_norm", cpu) and len(chosen) == 6
+    registry.register_kernel("rms_norm", "probe_impl", devices=["cpu"], priority=99)(rms_norm_reference)
+    try:
+        assert registry.select("rms_norm", cpu).name == "probe_impl"  # a registration is seen at once
+    finally:
+        with registry._lock:
+            del registry._ops["rms_norm"]["probe_impl"]
+            registry._forget_choices()

@@ -24,8 +24,9 @@ def check_floating(op: str, **tensors: torch.Tensor | None) -> None:
 
 def check_same_device(op: str, **tensors: torch.Tensor | None) -> None:
     """All given tensors are on one device."""
-    present = {name: t.device for name, t in tensors.items() if t is not None}
-    if len(set(present.values())) > 1:
+    devices = [t.device for t in tensors.values() if t is not None]
+    if any(d != devices[0] for d in devices[1:]):  # no set or dict on the path every kernel call takes
+        present = {name: t.device for name, t in tensors.items() if t is not None}
         listing = ", ".join(f"{name} on {device}" for name, device in present.items())
         raise ValueError(f"{op}: tensors must be on one device, got {listing}")
 

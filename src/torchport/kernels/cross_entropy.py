@@ -31,8 +31,9 @@ only correct when nothing reads the logits after the loss, e.g. logits that come
 (the matmul's backward needs its inputs, not its output). An autograd node that saved the logits (a softcap's
 tanh) then fails loudly; plain Python reads of the logits see the gradient.
 
-The targets are checked on the host before any kernel runs (one synchronisation per call): a target outside
-``[0, V)`` that is not ``ignore_index`` is a ``ValueError``, never a device-side assert.
+The targets are checked on the device before any kernel reads them, with no host synchronisation
+(:func:`check_targets`): a target outside ``[0, V)`` that is not ``ignore_index`` is a ``RuntimeError`` that names
+the allowed range, raised at once on the CPU and at the next synchronisation on an accelerator.
 
 Example:
     >>> loss = torchport.kernels.cross_entropy(logits.view(-1, vocab), labels.view(-1), ignore_index=-100)
@@ -142,20 +143,19 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
 
-def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> int:
-    """The number of non-ignored targets; a ``ValueError`` when one is outside ``[0, vocab)`` and not
-    ``ignore_index``. Runs on the host's view of the targets (one synchronisation), before any kernel reads them."""
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= vocab))
-    n_bad, n_valid = (int(c) for c in torch.stack([bad.sum(), valid.sum()]).tolist())
-    if n_bad:
-        examples = sorted({int(t) for t in target[bad][:5].tolist()})
-        raise ValueError(
-            f"{op}: {n_bad} target(s) outside [0, {vocab}) and not ignore_index={ignore_index}, e.g. "
-            f"{', '.join(map(str, examples))}; targets must be class indices below the vocabulary size {vocab} "
-            f"or ignore_index"
-        )
-    return n_valid
+def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
+    """Checks on the device that every target is in ``[0, vocab)`` or is ``ignore_index``, without a host
+    synchronisation (so that the check fits in a compiled graph or a CUDA graph).
+
+    On the CPU a bad target raises a ``RuntimeError`` here; on an accelerator the error surfaces at the next
+    synchronisation (``loss.item()``, a host copy). Either way its message names the bad range and the allowed one.
+    """
+    bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
+    torch._assert_async(
+        ~bad.any(),
+        f"{op}: a target is below 0 or at least the vocabulary size {vocab}, and is not ignore_index={ignore_index}; "
+        f"targets must be class indices in [0, {vocab}) or ignore_index",
+    )
 
 
 def check_options(op: str, label_smoothing: float, reduction: str) -> None:
@@ -216,9 +216,13 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
-    n_valid = check_targets(op, flat, vocab, ignore_index)
-    loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
-                         float(z_loss), bool(in_place), n_valid, loss_dtype)
+    check_targets(op, flat, vocab, ignore_index)
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss))
+        loss = loss.to(loss_dtype or logits.dtype)
+    else:
+        loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
+                             float(z_loss), bool(in_place), None, loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -264,6 +268,7 @@ SPEC = registry.register_op(OpSpec(
     # fwd: read the logits once; bwd: write their gradient (the loss is a scalar). torchport's kernel computes the
     # gradient in the forward, reading each row a second time (from L2 when it fits)
     bytes_moved=lambda logits, target: 2 * logits.numel() * logits.element_size(),
-    custom_op="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) -> Tensor",
+    custom_op="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+              "float z_loss=0.0) -> Tensor",
     in_place=True,
 ))

@@ -263,7 +263,9 @@ class _Options:
     z_loss: float
     softcap: float | None
     reduction: str
-    scale: float  # the reduction's factor: 1/n_valid for a mean, 1/num_items_in_batch, or 1
+    # the reduction's factor: 1/num_items_in_batch or 1, or for a mean 1/n_valid as a 0-dim tensor on the device
+    # (counting the kept rows on the host would synchronise)
+    scale: float | torch.Tensor
     loss_dtype: torch.dtype | None
 
 
@@ -292,11 +294,9 @@ def _pass_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     out_acc = torch.empty(plan.tokens, hidden_size, dtype=acc, device=hidden.device) if want_h else None
     smooth_acc = torch.empty_like(out_acc) if two else None
     colsum = weight.sum(0, dtype=acc) if want_h and eps and softcap is None else None
-    starts = range(0, n, plan.tokens)
-    busy = F.pad(valid, (0, len(starts) * plan.tokens - n)).view(-1, plan.tokens).any(1).tolist()
-    for a, used in zip(starts, busy):
-        if not used:
-            continue  # every target of the block ignored: loss 0, gradient 0
+    # Every block runs, even one whose targets are all ignored (its rows get loss 0 and gradient 0): skipping it
+    # would need the mask on the host, a synchronisation per call.
+    for a in range(0, n, plan.tokens):
         b = min(n, a + plan.tokens)
         h, t = hidden[a:b], target[a:b]
         state = (m[a:b], d[a:b], x_t[a:b], total[a:b])
@@ -445,12 +445,15 @@ def _two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, 
               ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
               z_loss: float, softcap: float | None, loss_dtype: torch.dtype | None,
               math_: _SliceMath) -> torch.Tensor:
-    if n_valid is None:
-        n_valid = int((target != ignore_index).sum())
     if divisor is not None:
-        scale = 1.0 / divisor
+        scale: float | torch.Tensor = 1.0 / divisor
+    elif reduction != "mean":
+        scale = 1.0
+    elif n_valid is not None:
+        scale = 1.0 / max(n_valid, 1)
     else:
-        scale = 1.0 / max(n_valid, 1) if reduction == "mean" else 1.0
+        kept = (target != ignore_index).sum().clamp_min(1)
+        scale = 1.0 / kept.to(_accumulator(hidden))
     opts = _Options(ignore_index, label_smoothing, z_loss, softcap, reduction, scale, loss_dtype)
     return _TwoPassFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)
 
@@ -567,10 +570,15 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         if not divisor > 0:
             raise ValueError(f"{op}: num_items_in_batch must be > 0, got {num_items_in_batch}")
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    n_valid = check_targets(op, flat, vocab, ignore_index)
-    loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
-                         reduction, divisor, n_valid, float(z_loss), None if softcap is None else float(softcap),
-                         loss_dtype)
+    check_targets(op, flat, vocab, ignore_index)
+    softcap = None if softcap is None else float(softcap)
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        loss = registry.custom_op(op)(rows, weight, flat, bias, int(ignore_index), float(label_smoothing), reduction,
+                                      divisor, float(z_loss), softcap)
+        loss = loss.to(loss_dtype or hidden.dtype)
+    else:
+        loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
+                             reduction, divisor, None, float(z_loss), softcap, loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -621,4 +629,6 @@ SPEC = registry.register_op(OpSpec(
     # contender is counted at the unfused op's 6·N·H·V
     bytes_moved=lambda hidden, weight, target: 2 * (hidden.numel() + weight.numel()) * hidden.element_size(),
     flops=lambda hidden, weight, target: 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0],
+    custom_op="(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, float label_smoothing, "
+              "str reduction, float? divisor, float z_loss, float? softcap) -> Tensor",
 ))

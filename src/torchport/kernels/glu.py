@@ -84,6 +84,8 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False) -> t
         >>> h = swiglu(torch.randn(4, 11008), torch.randn(4, 11008))
     """
     _check("swiglu", gate, up)
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        return registry.custom_op("swiglu")(gate, up)
     return registry.call("swiglu", gate.device, gate, up, bool(in_place))
 
 
@@ -94,6 +96,8 @@ def geglu(gate: torch.Tensor, up: torch.Tensor, *, in_place: bool = False) -> to
         >>> h = geglu(torch.randn(4, 16384), torch.randn(4, 16384))
     """
     _check("geglu", gate, up)
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        return registry.custom_op("geglu")(gate, up)
     return registry.call("geglu", gate.device, gate, up, bool(in_place))
 
 

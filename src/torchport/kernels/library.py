@@ -5,16 +5,22 @@ implementation at run time cannot sit in a compiled graph as it is. As a custom 
 gives the output's shape, dtype and strides to the tracer; its real implementation calls the kernel through
 :mod:`torchport.kernels.registry` at run time, so the per-device choice (Triton on CUDA, the fused operator on
 Ascend, the reference elsewhere) still happens per call. The compile passes of :mod:`torchport.compile.passes`
-rewrite plain-PyTorch subgraphs into calls of these ops.
+rewrite plain-PyTorch subgraphs into calls of these ops, and under ``torch.compile`` the public functions of
+:mod:`torchport.kernels` call them (:func:`torchport.kernels.registry.custom_op`), so patched models compile with
+no graph break.
 
 =====================================================  ===============================================  ==========
 op                                                     computes                                         backward
 =====================================================  ===============================================  ==========
 ``rms_norm(x, weight, eps, offset)``                   :func:`torchport.kernels.rms_norm`               recompute
+``layer_norm(x, weight, bias, eps)``                   :func:`torchport.kernels.layer_norm`             recompute
 ``swiglu(gate, up)`` / ``geglu(gate, up)``             :func:`~torchport.kernels.swiglu` / ``geglu``    recompute
 ``rope(q, k, cos, sin) -> (q, k)``                     :func:`torchport.kernels.rope`                   rotation
 ``cross_entropy(logits, target, ignore_index,          :func:`torchport.kernels.cross_entropy`, the     recompute
-label_smoothing, reduction)``                          loss in float32 (float64 for float64 logits)
+label_smoothing, reduction, z_loss=0.0)``              loss in float32 (float64 for float64 logits)
+``fused_linear_cross_entropy(hidden, weight, target,   :func:`torchport.kernels.fused_linear_cross_     recompute
+bias, ignore_index, label_smoothing, reduction,        entropy` (``divisor``: ``num_items_in_batch``),
+divisor, z_loss, softcap)``                            the loss in float32 (float64 for float64)
 =====================================================  ===============================================  ==========
 
 Backward:
@@ -27,6 +33,9 @@ Backward:
 * ``rope`` is linear in q and k: its gradient is the same rotation with the sine's halves exchanged and negated,
   so ``torchport::rope_backward`` runs the rope kernel itself, once (cos and sin get gradients too, in plain
   PyTorch, when they need them).
+* ``fused_linear_cross_entropy``'s backward runs the op again with autograd on the saved hidden states and weight
+  (its forward computes the gradients in its two passes), so a compiled graph pays its forward twice; the eager
+  path pays it once.
 * ``cross_entropy``'s backward differentiates the summed loss with an upstream gradient of exactly 1 and scales the
   result in float32 afterwards (by the upstream gradient, divided by the kept rows for a mean), so a bfloat16 kernel
   never sees a rounded 1/num_items. The forward rounds each row's loss to the logits' dtype and sums in float32.
@@ -47,7 +56,9 @@ import torch
 from .checks import widen
 from .registry import list_specs
 from .cross_entropy import REDUCTIONS, cross_entropy
+from .fused_linear_cross_entropy import fused_linear_cross_entropy
 from .glu import geglu, swiglu
+from .layer_norm import layer_norm
 from .rms_norm import rms_norm
 from .rope import rope
 
@@ -151,6 +162,59 @@ def _rms_norm_grad(ctx, grad):
 
 
 _rms_norm.register_autograd(_rms_norm_grad, setup_context=_rms_norm_setup)
+
+
+# --- layer_norm -----------------------------------------------------------------------------------------------------
+
+@torch.library.custom_op("torchport::layer_norm", mutates_args=(), schema=_schema("layer_norm"))
+def _layer_norm(x, weight, bias, eps):
+    weight, bias = (None if t is None else t.detach() for t in (weight, bias))
+    return _fresh(layer_norm(x.detach(), weight, bias, eps), x, [t for t in (x, weight, bias) if t is not None])
+
+
+@_layer_norm.register_fake
+def _(x, weight, bias, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("torchport::layer_norm_backward", mutates_args=(),
+                         schema="(Tensor grad, Tensor x, Tensor? weight, Tensor? bias, float eps) "
+                                "-> (Tensor, Tensor, Tensor)")
+def _layer_norm_backward(grad, x, weight, bias, eps):
+    present = [t for t in (weight, bias) if t is not None]
+    has_weight = weight is not None
+
+    def fn(x, *affine):
+        w = affine[0] if has_weight else None
+        b = affine[-1] if bias is not None else None
+        return layer_norm(x, w, b, eps)
+
+    found = iter(_vjp(fn, (x, *present), grad))
+    dx = next(found)
+    # a custom op returns tensors, never None: a missing weight or bias gets an empty gradient, dropped below
+    dw = next(found) if has_weight else x.new_empty(0)
+    db = next(found) if bias is not None else x.new_empty(0)
+    return dx, dw, db
+
+
+@_layer_norm_backward.register_fake
+def _(grad, x, weight, bias, eps):
+    return (torch.empty_like(x), x.new_empty(0) if weight is None else torch.empty_like(weight),
+            x.new_empty(0) if bias is None else torch.empty_like(bias))
+
+
+def _layer_norm_setup(ctx, inputs, output):
+    x, weight, bias, ctx.eps = inputs
+    ctx.save_for_backward(x, weight, bias)
+
+
+def _layer_norm_grad(ctx, grad):
+    x, weight, bias = ctx.saved_tensors
+    dx, dw, db = torch.ops.torchport.layer_norm_backward(grad, x, weight, bias, ctx.eps)
+    return dx, None if weight is None else dw, None if bias is None else db, None
+
+
+_layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)
 
 
 # --- swiglu, geglu --------------------------------------------------------------------------------------------------
@@ -269,10 +333,11 @@ def _loss_dtype(logits: torch.Tensor) -> torch.dtype:
 
 
 @torch.library.custom_op("torchport::cross_entropy", mutates_args=(), schema=_schema("cross_entropy"))
-def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     # Per-row losses in the logits' dtype, summed here in float32: one rounding per row, none of the sum.
-    rows = cross_entropy(logits.detach(), target, ignore_index, label_smoothing, "none").to(_loss_dtype(logits))
+    rows = cross_entropy(logits.detach(), target, ignore_index, label_smoothing, "none",
+                         z_loss=z_loss).to(_loss_dtype(logits))
     if reduction == "none":
         return rows
     total = rows.sum()
@@ -282,7 +347,7 @@ def _cross_entropy(logits, target, ignore_index, label_smoothing, reduction):
 
 
 @_cross_entropy.register_fake
-def _(logits, target, ignore_index, label_smoothing, reduction):
+def _(logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     shape = target.shape if reduction == "none" else ()
     return logits.new_empty(shape, dtype=_loss_dtype(logits))
@@ -290,13 +355,14 @@ def _(logits, target, ignore_index, label_smoothing, reduction):
 
 @torch.library.custom_op(
     "torchport::cross_entropy_backward", mutates_args=(),
-    schema="(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction) "
-           "-> Tensor",
+    schema="(Tensor grad, Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+           "float z_loss=0.0) -> Tensor",
 )
-def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing, reduction):
+def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     _check_reduction(reduction)
     ones = torch.ones((), dtype=logits.dtype, device=logits.device)
-    (dlogits,) = _vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum"), (logits,), ones)
+    (dlogits,) = _vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum", z_loss=z_loss),
+                      (logits,), ones)
     if reduction == "none":
         scale = grad.unsqueeze(-1)
     elif reduction == "mean":
@@ -307,23 +373,89 @@ def _cross_entropy_backward(grad, logits, target, ignore_index, label_smoothing,
 
 
 @_cross_entropy_backward.register_fake
-def _(grad, logits, target, ignore_index, label_smoothing, reduction):
+def _(grad, logits, target, ignore_index, label_smoothing, reduction, z_loss=0.0):
     return torch.empty_like(logits)
 
 
 def _cross_entropy_setup(ctx, inputs, output):
-    logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.reduction = inputs
+    logits, target, ctx.ignore_index, ctx.label_smoothing, ctx.reduction, ctx.z_loss = inputs
     ctx.save_for_backward(logits, target)
 
 
 def _cross_entropy_grad(ctx, grad):
     logits, target = ctx.saved_tensors
     dlogits = torch.ops.torchport.cross_entropy_backward(grad, logits, target, ctx.ignore_index,
-                                                         ctx.label_smoothing, ctx.reduction)
-    return dlogits, None, None, None, None
+                                                         ctx.label_smoothing, ctx.reduction, ctx.z_loss)
+    return dlogits, None, None, None, None, None
 
 
 _cross_entropy.register_autograd(_cross_entropy_grad, setup_context=_cross_entropy_setup)
+
+
+# --- fused_linear_cross_entropy -------------------------------------------------------------------------------------
+
+def _linear_loss(target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap, loss_dtype):
+    """``fused_linear_cross_entropy`` of ``(hidden, weight[, bias])`` with the other arguments fixed."""
+    def loss(hidden, weight, *with_bias):
+        return fused_linear_cross_entropy(hidden, weight, target, with_bias[0] if with_bias else bias, ignore_index,
+                                          label_smoothing, reduction, num_items_in_batch=divisor, z_loss=z_loss,
+                                          softcap=softcap, loss_dtype=loss_dtype)
+
+    return loss
+
+
+@torch.library.custom_op("torchport::fused_linear_cross_entropy", mutates_args=(),
+                         schema=_schema("fused_linear_cross_entropy"))
+def _fused_linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor,
+                                z_loss, softcap):
+    _check_reduction(reduction)
+    fn = _linear_loss(target, None if bias is None else bias.detach(), ignore_index, label_smoothing, reduction,
+                      divisor, z_loss, softcap, _loss_dtype(hidden))
+    return fn(hidden.detach(), weight.detach())
+
+
+@_fused_linear_cross_entropy.register_fake
+def _(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+    _check_reduction(reduction)
+    return hidden.new_empty(target.shape if reduction == "none" else (), dtype=_loss_dtype(hidden))
+
+
+@torch.library.custom_op(
+    "torchport::fused_linear_cross_entropy_backward", mutates_args=(),
+    schema="(Tensor grad, Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
+           "float label_smoothing, str reduction, float? divisor, float z_loss, float? softcap) "
+           "-> (Tensor, Tensor, Tensor)",
+)
+def _fused_linear_cross_entropy_backward(grad, hidden, weight, target, bias, ignore_index, label_smoothing,
+                                         reduction, divisor, z_loss, softcap):
+    fn = _linear_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
+                      _loss_dtype(hidden))
+    inputs = (hidden, weight) if bias is None else (hidden, weight, bias)
+    grads = _vjp(fn, inputs, grad)
+    # a custom op returns tensors, never None: no bias gives an empty gradient, dropped by the autograd formula
+    return grads[0], grads[1], grads[2] if bias is not None else hidden.new_empty(0)
+
+
+@_fused_linear_cross_entropy_backward.register_fake
+def _(grad, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+    return torch.empty_like(hidden), torch.empty_like(weight), \
+        torch.empty_like(bias) if bias is not None else hidden.new_empty(0)
+
+
+def _fused_linear_cross_entropy_setup(ctx, inputs, output):
+    hidden, weight, target, bias, *ctx.options = inputs
+    ctx.save_for_backward(hidden, weight, target, bias)
+
+
+def _fused_linear_cross_entropy_grad(ctx, grad):
+    hidden, weight, target, bias = ctx.saved_tensors
+    dh, dw, db = torch.ops.torchport.fused_linear_cross_entropy_backward(grad, hidden, weight, target, bias,
+                                                                         *ctx.options)
+    return dh, dw, None, None if bias is None else db, *(None,) * len(ctx.options)
+
+
+_fused_linear_cross_entropy.register_autograd(_fused_linear_cross_entropy_grad,
+                                              setup_context=_fused_linear_cross_entropy_setup)
 
 
 _missing = [name for name in _FORWARD if not hasattr(torch.ops.torchport, name)]

@@ -30,7 +30,7 @@ import logging
 import pkgutil
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any
 
 import torch
@@ -46,6 +46,7 @@ __all__ = [
     "KernelError",
     "Unsupported",
     "call",
+    "custom_op",
     "forced",
     "fused_op",
     "fused_op_unavailable",
@@ -115,6 +116,12 @@ _lock = threading.RLock()
 _broken: dict[tuple[str, str, str], str] = {}  # (op, implementation, device type) -> why it failed to load/compile
 _warned: set[tuple[str, str, str]] = set()
 _availability: dict[tuple[str, str, str], str | None] = {}
+# The implementation chosen per (op, device type, where TORCHPORT_KERNELS comes from): a kernel call costs a
+# dictionary lookup, not a settings parse, a sort and availability probes (39 us of a 360 us RMSNorm step on the
+# CPU, measured with benchmarks/kernel_host_overhead.py --device cpu). Cleared whenever an answer could change: an
+# implementation registered, one found broken, refresh().
+_choices: dict[tuple[str, str, Hashable], Implementation] = {}
+_forced: dict[tuple[str, Hashable], bool] = {}
 
 
 def register_kernel(
@@ -144,7 +151,7 @@ def register_kernel(
                     f"registered: {', '.join(impls)}"
                 )
             impls[name] = Implementation(op, name, fn, None if devices is None else frozenset(devices), priority, requires)
-            _availability.clear()
+            _forget_choices()
         return fn
 
     return decorate
@@ -197,9 +204,15 @@ def refresh() -> None:
     """Forget which implementations were found unavailable or broken, and which warnings were given (for example
     after installing Triton or a newer torch_npu in a running process)."""
     with _lock:
-        _availability.clear()
         _broken.clear()
         _warned.clear()
+        _forget_choices()
+
+
+def _forget_choices() -> None:
+    _availability.clear()
+    _choices.clear()
+    _forced.clear()
 
 
 def list_kernels() -> dict[str, list[str]]:
@@ -257,8 +270,20 @@ def select(op: str, device: torch.device, *, quiet: bool = False) -> Implementat
     """The implementation that a call of ``op`` on ``device`` would use now (before argument checks).
 
     In auto mode an implementation whose library or vendor operator is missing is skipped (and the reason is
-    logged once); in a forced mode such an implementation raises :class:`KernelError`.
+    logged once); in a forced mode such an implementation raises :class:`KernelError`. The answer is kept per op,
+    device type and ``TORCHPORT_KERNELS`` source (:func:`torchport.settings.source`), until an implementation is
+    registered or found broken, or :func:`refresh` is called.
     """
+    key = (op, device.type, _settings.source("kernels"))
+    impl = _choices.get(key)
+    if impl is None:
+        impl = _select(op, device, quiet)
+        if not quiet:  # a quiet answer skipped the warnings that the first loud call must give
+            _choices[key] = impl
+    return impl
+
+
+def _select(op: str, device: torch.device, quiet: bool) -> Implementation:
     impls = _implementations(op)
     mode, forced = _mode(op)
     if forced:
@@ -339,7 +364,9 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
             if not _is_load_failure(exc):
                 # A kernel that loaded but raised is a bug in it: say so loudly, keep the answer right.
                 logger.error("torchport.kernels.%s: %s raised %s", op, impl.name, reason, exc_info=exc)
-            _broken[(op, impl.name, device.type)] = reason
+            with _lock:
+                _forget_choices()
+                _broken[(op, impl.name, device.type)] = reason
         _warn_once(op, impl.name, device.type, reason)
         return _ops[op]["reference"].fn(*args)
 
@@ -347,7 +374,25 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
 def forced(op: str) -> bool:
     """Whether the user forced ``op``'s implementation (read in the forward: the autograd engine runs backwards on
     its own threads, which do not see a ``settings.override`` block)."""
-    return _mode(op)[1]
+    key = (op, _settings.source("kernels"))
+    answer = _forced.get(key)
+    if answer is None:
+        answer = _forced[key] = _mode(op)[1]
+    return answer
+
+
+def custom_op(op: str) -> Callable[..., Any]:
+    """``torch.ops.torchport.<op>``, the custom op that a compiled graph calls for ``op`` (its fake implementation
+    gives the tracer shapes, its real one calls the kernel chosen per device at run time). The public functions
+    call it under ``torch.compile`` instead of :func:`call`, so a compiled model keeps torchport's kernels with no
+    graph break; registering the custom ops on first use costs about 25 ms once.
+
+    Example:
+        >>> torch.compile(lambda x, w: custom_op("rms_norm")(x, w, 1e-6, 0.0), fullgraph=True)(x, w)
+    """
+    from . import library  # noqa: F401  (registers torch.ops.torchport.*)
+
+    return getattr(torch.ops.torchport, op)
 
 
 def backward_fallback(

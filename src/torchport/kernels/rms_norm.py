@@ -84,6 +84,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, offset: f
             f"rms_norm: weight must have shape [hidden] = [{x.shape[-1] if x.dim() else '?'}] for x of shape "
             f"{list(x.shape)}, got weight of shape {list(weight.shape)}"
         )
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        return registry.custom_op("rms_norm")(x, weight, float(eps), float(offset))
     return registry.call("rms_norm", x.device, x, weight, float(eps), float(offset), bool(in_place))
 
 

@@ -70,8 +70,11 @@ def make_mlp_forward(spec: MLP, ops: frozenset[str],
     """``forward(self, x)`` of a gated MLP: projections, then :func:`swiglu` or :func:`geglu` when ``ops`` allows
     the module's activation, else ``original``."""
 
+    # read once here, not per call: a plain dict is what torch.compile traces without guarding a cache wrapper
+    by_activation = dict(_activation_kernels())
+
     def forward(self: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        op = gated_kernel(getattr(self, spec.act))
+        op = by_activation.get(type(getattr(self, spec.act)))
         if op not in ops:
             return original(self, x)
         if spec.gate_up is not None:
@@ -152,7 +155,6 @@ def _fusable(model: nn.Module, labels: Any, logits_to_keep: Any) -> bool:
     return isinstance(model.lm_head, nn.Linear) and type(model.lm_head).forward is nn.Linear.forward
 
 
-@functools.cache
 def _head_arguments(lm_forward: Callable[..., Any], base_forward: Callable[..., Any]) -> frozenset[str]:
     """The named parameters of a causal LM's forward that its base model's forward does not name (``labels``,
     ``logits_to_keep``): the LM head consumes them. Read from the installed signatures (``inspect`` follows
@@ -183,10 +185,14 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None,
     carried = [field.name for field in dataclasses.fields(CausalLMOutputWithPast)
                if field.name not in ("loss", "logits")]
 
+    heads: dict[type, frozenset[str]] = {}  # per base-model class; a plain dict, which torch.compile traces
+
     @can_return_tuple
     def fused(self: nn.Module, **kwargs: Any) -> Any:
         model = getattr(self, base)
-        head = _head_arguments(original, type(model).forward)
+        head = heads.get(type(model))
+        if head is None:
+            head = heads[type(model)] = _head_arguments(original, type(model).forward)
         outputs = model(**{name: value for name, value in kwargs.items() if name not in head})
         hidden = outputs.last_hidden_state
         labels = kwargs.get("labels")

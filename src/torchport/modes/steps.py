@@ -127,10 +127,7 @@ def step_kernels(ctx: StepContext) -> None:
     from .. import models
 
     model, hf, report = ctx.model, ctx.hf, ctx.report
-    if ctx.compiled:
-        report.add("kernels", "model's forwards", "model's forwards",
-                   "left to the compiler (patched forwards break dynamo's graph)")
-    elif hf is None:
+    if hf is None:
         report.add("kernels", "model's forwards", "model's forwards",
                    "not a transformers model: use torchport.kernels in its modules")
     elif getattr(hf.config, "model_type", None) not in models.supported():
