@@ -124,7 +124,7 @@ def test_bad_arguments_get_the_kernels_errors():
         ops.rms_norm(torch.randn(2, 8), torch.randn(7), 1e-6, 0.0)
     with pytest.raises(ValueError, match="rope: head_dim must be even"):
         ops.rope(torch.randn(1, 2, 3, 5), torch.randn(1, 2, 3, 5), torch.randn(1, 3, 5), torch.randn(1, 3, 5))
-    with pytest.raises(RuntimeError, match=r"a target is below 0 or at least the vocabulary size 3.*\[0, 3\)"):
+    with pytest.raises(ValueError, match=r"a target is below 0 or at least the vocabulary size 3.*\[0, 3\)"):
         ops.cross_entropy(torch.randn(2, 3), torch.tensor([0, 7]), -100, 0.0, "mean")
 
 

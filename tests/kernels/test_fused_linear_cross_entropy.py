@@ -193,7 +193,7 @@ def test_bad_input_is_a_clear_error(device):
         fl(h, torch.randn(10, 7, device=device), t)
     with pytest.raises(ValueError, match=r"bias must have shape \[vocab\] = \[10\], got \[9\]"):
         fl(h, w, t, torch.zeros(9, device=device))
-    with pytest.raises(RuntimeError, match=r"a target is below 0 or at least the vocabulary size 10.*\[0, 10\)"):
+    with pytest.raises(ValueError, match=r"a target is below 0 or at least the vocabulary size 10.*\[0, 10\)"):
         fl(h, w, torch.tensor([1, 12, IGNORE, 3], device=device))
     with pytest.raises(ValueError, match=r"target must have shape \[4\]"):
         fl(h, w, t[:3])

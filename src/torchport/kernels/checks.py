@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["FLOATING", "check_floating", "check_same_device", "check_same_dtype", "widen"]
+__all__ = ["FLOATING", "capturing", "check_floating", "check_same_device", "check_same_dtype", "widen"]
 
 FLOATING = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 
@@ -43,3 +43,22 @@ def widen(t: torch.Tensor) -> torch.Tensor:
     """``t`` in float32 when it is a 16-bit float, else unchanged: the references compute in at least float32,
     and in float64 for float64 inputs (which is how the tests obtain their float64 ground truth)."""
     return t.float() if t.dtype in (torch.float16, torch.bfloat16) else t
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether code runs where a tensor's value cannot be read on the host: while torch.compile traces, or while the
+    device's current stream captures a graph (CUDA graphs, or another device module's ``is_current_stream_capturing``).
+
+    Example:
+        >>> capturing(torch.device("cpu"))
+        False
+    """
+    if torch.compiler.is_compiling():
+        return True
+    if device.type == "cpu":
+        return False
+    try:
+        query = getattr(torch.get_device_module(device), "is_current_stream_capturing", None)
+        return bool(query()) if query is not None else False
+    except Exception:  # noqa: BLE001 - a device module without the query is not capturing
+        return False

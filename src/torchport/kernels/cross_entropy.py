@@ -31,9 +31,10 @@ only correct when nothing reads the logits after the loss, e.g. logits that come
 (the matmul's backward needs its inputs, not its output). An autograd node that saved the logits (a softcap's
 tanh) then fails loudly; plain Python reads of the logits see the gradient.
 
-The targets are checked on the device before any kernel reads them, with no host synchronisation
-(:func:`check_targets`): a target outside ``[0, V)`` that is not ``ignore_index`` is a ``RuntimeError`` that names
-the allowed range, raised at once on the CPU and at the next synchronisation on an accelerator.
+The targets are checked before any kernel reads them (:func:`check_targets`): called eagerly, a target outside
+``[0, V)`` that is not ``ignore_index`` is a ``ValueError`` that names the allowed range (one host read of a flag).
+Inside a compiled graph or a captured CUDA graph, where nothing may read the device on the host, such a row is
+ignored by the kernels and its loss is NaN (the reduced loss too), never a finite number.
 
 Example:
     >>> loss = torchport.kernels.cross_entropy(logits.view(-1, vocab), labels.view(-1), ignore_index=-100)
@@ -46,10 +47,10 @@ from torch import nn
 
 from ..backends.npu import operator_limits
 from . import registry
-from .checks import check_floating, check_same_device, widen
+from .checks import capturing, check_floating, check_same_device, widen
 from .spec import OpSpec, randn, targets
 
-__all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "per_row_losses"]
+__all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "mark_bad_targets", "per_row_losses"]
 
 REDUCTIONS = ("mean", "sum", "none")
 
@@ -143,19 +144,37 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
 
-def check_targets(op: str, target: torch.Tensor, vocab: int, ignore_index: int) -> None:
-    """Checks on the device that every target is in ``[0, vocab)`` or is ``ignore_index``, without a host
-    synchronisation (so that the check fits in a compiled graph or a CUDA graph).
+def check_targets(op: str, target: torch.Tensor, vocab: int,
+                  ignore_index: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Check that every target is in ``[0, vocab)`` or is ``ignore_index``; return the targets to use and the mask of
+    bad ones the caller must mark in the loss (None when there is nothing to mark).
 
-    On the CPU a bad target raises a ``RuntimeError`` here; on an accelerator the error surfaces at the next
-    synchronisation (``loss.item()``, a host copy). Either way its message names the bad range and the allowed one.
+    Called eagerly, a bad target is a ``ValueError`` here that names the bad range and the allowed one (one host read
+    of a flag: the kernels never see a bad target, and a device's state is never broken by a device-side assert).
+    Where no host read is possible (while torch.compile traces, or while a graph is captured on the device's stream)
+    the check stays on the device: rows with a bad target are treated as ignored, so that no kernel reads past the
+    vocabulary, and :func:`mark_bad_targets` makes their loss NaN (every reduced loss NaN), so that a bad target is
+    never silently a finite loss.
     """
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
-    torch._assert_async(
-        ~bad.any(),
-        f"{op}: a target is below 0 or at least the vocabulary size {vocab}, and is not ignore_index={ignore_index}; "
-        f"targets must be class indices in [0, {vocab}) or ignore_index",
-    )
+    if not capturing(target.device):
+        if bool(bad.any()):
+            raise ValueError(f"{op}: a target is below 0 or at least the vocabulary size {vocab}, and is not "
+                             f"ignore_index={ignore_index}; targets must be class indices in [0, {vocab}) or "
+                             "ignore_index")
+        return target, None
+    return torch.where(bad, torch.full_like(target, ignore_index), target), bad
+
+
+def mark_bad_targets(loss: torch.Tensor, bad: torch.Tensor | None, reduction: str) -> torch.Tensor:
+    """``loss`` with NaN where :func:`check_targets` found a bad target inside a compiled graph or a captured graph:
+    per row for ``reduction="none"``, else the whole reduced loss."""
+    if bad is None:
+        return loss
+    nan = torch.full((), float("nan"), dtype=loss.dtype, device=loss.device)
+    if reduction == "none":
+        return torch.where(bad.view(loss.shape), nan, loss)
+    return torch.where(bad.any(), nan, loss)
 
 
 def check_options(op: str, label_smoothing: float, reduction: str) -> None:
@@ -216,13 +235,14 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
-    check_targets(op, flat, vocab, ignore_index)
+    flat, bad = check_targets(op, flat, vocab, ignore_index)
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
         loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss))
         loss = loss.to(loss_dtype or logits.dtype)
     else:
         loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
                              float(z_loss), bool(in_place), None, loss_dtype)
+    loss = mark_bad_targets(loss, bad, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
 
 

@@ -65,7 +65,7 @@ from torch import nn
 
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
-from .cross_entropy import check_options, check_target_tensor, check_targets, per_row_losses
+from .cross_entropy import check_options, check_target_tensor, check_targets, mark_bad_targets, per_row_losses
 from .spec import OpSpec, randn, targets
 
 __all__ = ["RESCALE_MARGIN", "WORKSPACE_BYTES", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
@@ -570,7 +570,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         if not divisor > 0:
             raise ValueError(f"{op}: num_items_in_batch must be > 0, got {num_items_in_batch}")
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    check_targets(op, flat, vocab, ignore_index)
+    flat, bad = check_targets(op, flat, vocab, ignore_index)
     softcap = None if softcap is None else float(softcap)
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
         loss = registry.custom_op(op)(rows, weight, flat, bias, int(ignore_index), float(label_smoothing), reduction,
@@ -579,6 +579,7 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
     else:
         loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
                              reduction, divisor, None, float(z_loss), softcap, loss_dtype)
+    loss = mark_bad_targets(loss, bad, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
 
 

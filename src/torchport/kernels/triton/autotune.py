@@ -45,6 +45,7 @@ import triton
 
 from ... import __version__, _logging, _settings
 from ...backends import get_backend
+from ..checks import capturing
 
 __all__ = ["FORMAT", "Tunable", "cache_path", "clear_cache", "coarse", "distinct", "enabled", "entries", "list_tunables",
            "set_enabled", "timer"]
@@ -152,7 +153,7 @@ class Tunable:
         heuristic = candidates[0]
         if not _enabled:
             return heuristic, True
-        if _capturing(device):
+        if capturing(device):
             return heuristic, False  # timing would break the trace or the graph; choose on the next eager launch
         time_one = timer if timer is not None else (_do_bench if _can_time(device) else None)
         if time_one is None:
@@ -244,17 +245,6 @@ def _device_has_events(device_type: str) -> bool:
 
 def _can_time(device: torch.device) -> bool:
     return not _interpreted() and _device_has_events(device.type)
-
-
-def _capturing(device: torch.device) -> bool:
-    """Inside torch.compile tracing or a graph capture on the device's current stream."""
-    if torch.compiler.is_compiling():
-        return True
-    try:
-        capturing = getattr(torch.get_device_module(device), "is_current_stream_capturing", None)
-        return bool(capturing()) if capturing is not None else False
-    except Exception:  # noqa: BLE001 - a device module without the query is not capturing
-        return False
 
 
 # -- the cache files -----------------------------------------------------------------------------------------------
