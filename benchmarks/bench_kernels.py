@@ -101,7 +101,7 @@ def _inputs(spec: Any) -> Callable:
         with torch.no_grad(), kernel_mode("reference"):
             outs = _as_tuple(spec.call(*args))
         grads = tuple(torch.ones((), dtype=dtype, device=device) if o.dim() == 0
-                      else torch.randn(o.shape, generator=gen).to(device, dtype) for o in outs)
+                      else torch.randn(o.shape, generator=gen, device=gen.device).to(device, dtype) for o in outs)
         return args, grads
     return make
 

@@ -175,7 +175,8 @@ _GROUP = 128
 
 
 def _inputs(gen: torch.Generator | None, rows: int, n: int, k: int) -> tuple[torch.Tensor, ...]:
-    codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8)
+    codes = torch.randint(0, 256, (n, k // 2), generator=gen, dtype=torch.uint8,
+                          device=None if gen is None else gen.device)
     return randn(gen, (rows, k)), codes, randn(gen, (n, k // _GROUP), 0.01).abs(), randn(gen, (n, k // _GROUP))
 
 

@@ -43,8 +43,9 @@ class OpSpec:
         exports: the names its module adds to ``torchport.kernels`` (functions and modules).
         dims: what the numbers of a size mean (``"rows × hidden"``).
         sizes: one entry per name of :data:`SIZES`.
-        make: ``(generator or None, *dims) -> arguments`` of :attr:`call`: float32 host tensors (integer ones for
-            targets and codes); under ``torch.device("meta")`` it makes shapes only.
+        make: ``(generator or None, *dims) -> arguments`` of :attr:`call`: float32 tensors (integer ones for
+            targets and codes) on the generator's device, the host without one; under ``torch.device("meta")`` it
+            makes shapes only.
         call: the public function on the made arguments (in their dtype and device): ``call(*args) -> output``.
         differentiable: how many leading arguments get a gradient in a forward + backward.
         bytes_moved: ``(*args) -> int``, the fewest bytes one forward + backward must move (weight and bias vectors
@@ -94,14 +95,19 @@ class OpSpec:
 
 
 # -- input builders shared by the specs ------------------------------------------------------------------------------
+def _device(gen: torch.Generator | None) -> torch.device | None:
+    # a generator draws on its own device: a benchmark makes its large inputs there, not on the host
+    return None if gen is None else gen.device
+
+
 def randn(gen: torch.Generator | None, shape: tuple[int, ...], scale: float = 1.0) -> torch.Tensor:
-    """``scale`` times a float32 standard-normal host tensor."""
-    return scale * torch.randn(tuple(shape), generator=gen)
+    """``scale`` times a float32 standard-normal tensor, on the generator's device (the host without one)."""
+    return scale * torch.randn(tuple(shape), generator=gen, device=_device(gen))
 
 
 def targets(gen: torch.Generator | None, rows: int, vocab: int) -> torch.Tensor:
     """Class indices for ``rows`` rows, every 16th one ``-100`` (padding, as a batch of uneven sequences has)."""
-    target = torch.randint(0, vocab, (rows,), generator=gen)
+    target = torch.randint(0, vocab, (rows,), generator=gen, device=_device(gen))
     target[::16] = -100
     return target
 
