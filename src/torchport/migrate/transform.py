@@ -17,7 +17,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 from . import review, unconvertible
 from .registry import SOURCE, SOURCE_DEVICE, rules_for
 
-__all__ = ["SOURCE", "Change", "Unconverted", "Review", "Context", "MigrationTransformer"]
+__all__ = ["SOURCE", "TRIGGERS", "Change", "Unconverted", "Review", "Context", "MigrationTransformer"]
 
 DEVICE_NAMES = ("DEVICE", "DEFAULT_DEVICE", "TORCH_DEVICE", "MIGRATED_DEVICE")
 DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_available=True) or {torch}.device("cpu")'
@@ -25,6 +25,14 @@ DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_avai
 # The bare form (written by earlier versions) is recognised too, so re-running stays idempotent.
 _DEFINITION_RE = re.compile(
     r"^(\w+) = (\w+)\.accelerator\.current_accelerator\((?:check_available=True)?\) or \2\.device\([\"']cpu[\"']\)$"
+)
+
+#: text without any of these has nothing a rule rewrites, reports or lists to review: such a module is not parsed by
+#: libcst (about 1.5 ms a line on a 2-core machine); a rule whose golden examples (tests/migrate/test_rules.py)
+#: lack every trigger fails there
+TRIGGERS = re.compile(
+    rf"{SOURCE_DEVICE}|nccl|init_process_group|device_ids|output_device|flash_attn|cupy|triton|cpp_extension"
+    r"|\.to\(\s*\d|device\(\s*\d"
 )
 
 #: keyword arguments that name a device in any call
