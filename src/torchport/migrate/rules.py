@@ -117,8 +117,12 @@ def device_check(original: cst.Comparison, updated: cst.Comparison, ctx: Context
 
 @register_rule("is-cuda", cst.Attribute)
 def is_cuda(original: cst.Attribute, updated: cst.Attribute, ctx: Context) -> cst.BaseExpression | None:
-    """``x.is_cuda`` -> ``x.device.type != "cpu"`` (parenthesized next to an operator, attribute or call)."""
-    if updated.attr.value != f"is_{SOURCE_DEVICE}":
+    """``x.is_cuda`` -> ``x.device.type != "cpu"`` (parenthesized next to an operator, attribute or call).
+
+    A module that assigns an attribute of that name (``self.is_cuda = ...``) has its own flag, not the tensor
+    property: its uses stay as written.
+    """
+    if updated.attr.value != f"is_{SOURCE_DEVICE}" or f"is_{SOURCE_DEVICE}" in _assigned_attributes(ctx):
         return None
     check = cst.Comparison(
         left=cst.Attribute(cst.Attribute(updated.value, cst.Name("device")), cst.Name("type")),
@@ -130,6 +134,34 @@ def is_cuda(original: cst.Attribute, updated: cst.Attribute, ctx: Context) -> cs
                                                                           getattr(parent, "func", None))):
         check = check.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     return check
+
+
+def _assigned_attributes(ctx: Context) -> frozenset[str]:
+    """Names of the attributes the module assigns (``x.name = ...``, ``x.name += ...``, ``x.name: T = ...``)."""
+    found = ctx.cache.get("assigned_attributes")
+    if found is None:
+        names: set[str] = set()
+
+        class Targets(cst.CSTVisitor):
+            def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+                _collect(node.target)
+
+            def visit_AugAssign(self, node: cst.AugAssign) -> None:
+                _collect(node.target)
+
+            def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+                _collect(node.target)
+
+        def _collect(target: cst.BaseExpression) -> None:
+            if isinstance(target, cst.Attribute):
+                names.add(target.attr.value)
+            elif isinstance(target, (cst.Tuple, cst.List)):
+                for element in target.elements:
+                    _collect(element.value)
+
+        ctx.module.visit(Targets())
+        found = ctx.cache["assigned_attributes"] = frozenset(names)
+    return found  # type: ignore[return-value]
 
 
 # -- tensors and modules -----------------------------------------------------------------------------------------
@@ -244,12 +276,38 @@ def cuda_seed(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseEx
     return ctx.guarded(call, "None")
 
 
+HOST_EVENT = """class {name}:
+    \"\"\"torch.Event on a machine without an accelerator, where PyTorch has none: the host runs work in order, so
+    its clock times it.\"\"\"
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.time = None
+
+    def record(self, stream=None):
+        self.time = time.perf_counter()
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        return None  # the host's work is done when its call returns
+
+    def wait(self, stream=None):
+        return None
+
+    def elapsed_time(self, end_event):
+        return (end_event.time - self.time) * 1000.0
+"""
+
+
 @register_rule("cuda-event", cst.Call)
 def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
-    """The CUDA module's ``Event(...)`` -> ``torch.Event(...)``, positional arguments passed as keywords.
+    """The CUDA module's ``Event(...)`` -> ``torch.Event(...)``, or a host-clock event without an accelerator.
 
-    ``torch.Event`` takes the device first, so ``enable_timing``, ``blocking`` and ``interprocess`` must be named.
-    PyTorch has no CPU events: on a CPU-only machine ``record()`` raises, as the original did.
+    ``(torch.Event(enable_timing=True) if torch.accelerator.is_available() else HostEvent(enable_timing=True))``:
+    PyTorch has no CPU events (``torch.Event`` raises there), so the module gets a small ``HostEvent`` class in
+    plain Python whose ``record`` reads the host clock and whose ``elapsed_time`` gives milliseconds, as CUDA's
+    does. ``torch.Event`` takes the device first, so ``enable_timing``, ``blocking`` and ``interprocess`` are named.
     """
     if ctx.source_attribute(original.func) != "Event":
         return None
@@ -257,7 +315,10 @@ def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseE
     if args is None:
         ctx.unconverted(original, "Event(*args)", "name the arguments: torch.Event(enable_timing=...)")
         return None
-    return updated.with_changes(func=ctx.expr("{torch}.Event"), args=_tidy(args))
+    event = updated.with_changes(func=ctx.expr("{torch}.Event"), args=_tidy(args))
+    host = cst.Call(cst.Name(ctx.helper("HostEvent", HOST_EVENT, ("time",))), _tidy(args))
+    return cst.IfExp(test=ctx.expr("{torch}.accelerator.is_available()"), body=event, orelse=host,
+                     lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
 
 @register_rule("cuda-stream", cst.Call)
@@ -524,3 +585,6 @@ def tensor_type(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.Base
         return None
     target = [cst.Arg(ctx.expr("{device}")), cst.Arg(ctx.expr("{torch}." + LEGACY_TYPES[name]))]
     return updated.with_changes(func=func.with_changes(attr=cst.Name("to")), args=_tidy([*target, *args[1:]]))
+
+
+from . import device_index  # noqa: E402,F401  (registers the rules for integer devices)
