@@ -22,6 +22,18 @@ def scaled(x: torch.Tensor) -> torch.Tensor:
     return x * torch.tensor(2.0) + torch.zeros_like(x)
 
 
+def moved(x: torch.Tensor, device: torch.device) -> torch.Tensor:
+    # annotated with torch's own device class, before the shim replaces torch.device on a host target
+    return x.to(device) + torch.zeros(1, device=torch.device("cpu")).to(device)
+
+
+def test_script_accepts_device_annotations_made_before_the_patch(shim: torch.device) -> None:
+    scripted = torch.jit.script(moved)
+    out = scripted(torch.ones(2), torch.device(shim.type))
+    assert out.device.type == shim.type
+    torch.testing.assert_close(out.cpu(), torch.ones(2))
+
+
 def test_script_compiles_calls_to_replaced_factories(shim: torch.device) -> None:
     assert torch.zeros_like is not torch.zeros_like.__wrapped__  # the shim did replace it
     scripted = torch.jit.script(scaled)
