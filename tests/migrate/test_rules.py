@@ -66,6 +66,7 @@ GOLDEN = [
     ("device-index", "y = torch.ones(2, device=1)", "y = torch.ones(2, device=torch.device(DEVICE.type, 1))"),
     ("device-index", 's = torch.load(f, map_location={"cuda:0": 1})',
      's = torch.load(f, map_location={"cuda:0": torch.device(DEVICE.type, 1)})'),
+    ("device-index", 'm = load(p, device_map={"": 0})', 'm = load(p, device_map={"": torch.device(DEVICE.type, 0)})'),
     ("device-index-name", "m = net.to(local_rank)", "m = net.to(torch.device(DEVICE.type, local_rank))"),
     ("device-index-name", "i = r % torch.cuda.device_count()\ny = x.to(i)",
      "i = r % max(torch.accelerator.device_count(), 1)\ny = x.to(torch.device(DEVICE.type, i))"),

@@ -32,7 +32,7 @@ _DEFINITION_RE = re.compile(
 #: lack every trigger fails there
 TRIGGERS = re.compile(
     rf"{SOURCE_DEVICE}|nccl|init_process_group|device_ids|output_device|flash_attn|cupy|triton|cpp_extension"
-    r"|(\.to\(|device\(|device=)\s*[\w.]*?(\d|rank|gpu|device_i)"  # an integer device (see device_index.py)
+    r"|(\.to\(|device\(|device=)\s*[\w.]*?(\d|rank|gpu|device_i)|device_map\s*=\s*\{"  # integer devices
 )
 
 #: keyword arguments that name a device in any call
