@@ -42,7 +42,9 @@ GOLDEN = [
      "if torch.accelerator.is_available():\n    torch.accelerator.set_device_index(rank)"),
     ("cuda-set-device", "x = f(torch.cuda.set_device(0))",
      "x = f((torch.accelerator.set_device_index(0) if torch.accelerator.is_available() else None))"),
-    ("cuda-device-module", "torch.cuda.synchronize()", "torch.get_device_module(DEVICE).synchronize()"),
+    ("cuda-device-module", "f = torch.cuda.synchronize", "f = torch.get_device_module(DEVICE).synchronize"),
+    ("cuda-memory", "torch.cuda.synchronize()",
+     "if torch.accelerator.is_available():\n    torch.accelerator.synchronize()"),
     ("cuda-device-module", "s = torch.cuda.current_stream()", "s = torch.get_device_module(DEVICE).current_stream()"),
     ("cuda-device-module", "n = torch.cuda.get_device_name(0)", "n = torch.get_device_module(DEVICE).get_device_name(0)"),
     ("cuda-memory", "m = torch.cuda.memory_allocated() / 2**20",
@@ -220,3 +222,22 @@ def test_a_flag_the_module_assigns_is_not_the_tensor_property() -> None:
            "    def go(self):\n        return self.is_cuda\n"
     migrated = migrate_source(code).code
     assert "self.is_cuda = d.type != 'cpu'" in migrated and "return self.is_cuda\n" in migrated
+
+
+# torch.accelerator's functions in every PyTorch the migrated code must run on (its __all__ in 2.8; 2.12 added
+# Graph, get_device_capability, get_memory_info...): code migrate writes may use these only
+ACCELERATOR_EVERYWHERE = frozenset({
+    "current_accelerator", "current_device_index", "current_stream", "empty_cache", "device_count", "device_index",
+    "is_available", "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
+    "memory_stats", "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device_index", "set_stream",
+    "synchronize",
+})
+
+
+def test_migrated_code_uses_only_the_torch_accelerator_of_every_supported_pytorch() -> None:
+    import torch
+
+    written = {name for _, _, after in GOLDEN for name in re.findall(r"torch\.accelerator\.(\w+)", after)}
+    written |= set(re.findall(r"torch\.accelerator\.(\w+)", HEADER))
+    assert written and written <= ACCELERATOR_EVERYWHERE, written - ACCELERATOR_EVERYWHERE
+    assert all(hasattr(torch.accelerator, name) for name in written)

@@ -238,18 +238,19 @@ def cuda_set_device(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.
 
 
 _MEMORY_VALUES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
-_MEMORY_ACTIONS = ("reset_peak_memory_stats", "empty_cache")
+_MEMORY_ACTIONS = ("reset_peak_memory_stats", "empty_cache", "synchronize")
 
 
 @register_rule("cuda-memory", cst.Call)
 def cuda_memory(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
-    """The CUDA module's memory counters and ``empty_cache`` -> ``torch.accelerator``'s, guarded.
+    """The CUDA module's memory counters, ``empty_cache`` and ``synchronize()`` -> ``torch.accelerator``'s, guarded.
 
     ``memory_allocated(d)`` -> ``(torch.accelerator.memory_allocated(d) if torch.accelerator.is_available()
     else 0)``, and likewise ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``: 0 with no
-    accelerator, as the originals return on a CPU-only machine. ``reset_peak_memory_stats()`` and ``empty_cache()``
-    become ``if torch.accelerator.is_available(): torch.accelerator.empty_cache()`` (a conditional expression when
-    not a whole statement). A ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
+    accelerator, as the originals return on a CPU-only machine. ``reset_peak_memory_stats()``, ``empty_cache()``
+    and ``synchronize()`` become ``if torch.accelerator.is_available(): torch.accelerator.synchronize()`` (a
+    conditional expression when not a whole statement): on a CPU-only machine work is done when its call returns,
+    and ``torch.accelerator``'s functions raise there. Each exists in ``torch.accelerator`` since PyTorch 2.8. A ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
     """
     name = ctx.source_attribute(original.func)
     if name not in _MEMORY_VALUES + _MEMORY_ACTIONS:
