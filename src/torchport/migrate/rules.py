@@ -216,11 +216,15 @@ def cuda_device_module(original: cst.Attribute, updated: cst.Attribute, ctx: Con
     """The CUDA module's ``synchronize``, ``current_stream``, ``stream``, ``get_device_name`` -> the device's module.
 
     ``torch.get_device_module(DEVICE).synchronize`` and so on: the module of the accelerator in use, or
-    ``torch.cpu`` (which has ``synchronize``, ``current_stream`` and ``stream``) on a CPU-only machine.
+    ``torch.cpu`` (which has ``synchronize``, ``current_stream`` and ``stream``) on a CPU-only machine. A call of
+    ``synchronize()`` is cuda-memory's.
     """
     name = ctx.source_attribute(original)
     if name not in _DEVICE_MODULE:
         return None
+    parent = ctx.parent(original)
+    if name in _MEMORY_ACTIONS and isinstance(parent, cst.Call) and parent.func is original:
+        return None  # a call: cuda-memory writes torch.accelerator's, guarded
     return ctx.expr("{torch}.get_device_module({device})." + name)
 
 
