@@ -241,8 +241,13 @@ def cuda_set_device(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.
     return ctx.guarded(updated, "None")
 
 
-_MEMORY_VALUES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
-_MEMORY_ACTIONS = ("reset_peak_memory_stats", "empty_cache", "synchronize")
+# what each returns with no accelerator, as the CUDA originals do on a CPU-only machine
+_MEMORY_VALUES = {"memory_allocated": "0", "max_memory_allocated": "0", "memory_reserved": "0",
+                  "max_memory_reserved": "0", "memory_stats": "{}"}
+_MEMORY_ACTIONS = ("reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "synchronize")
+# the CUDA module's deprecated names, and torch.accelerator's function that does the same
+_MEMORY_RENAMED = {"reset_max_memory_allocated": "reset_peak_memory_stats",
+                   "reset_max_memory_cached": "reset_peak_memory_stats"}
 
 
 @register_rule("cuda-memory", cst.Call)
@@ -250,20 +255,24 @@ def cuda_memory(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.Base
     """The CUDA module's memory counters, ``empty_cache`` and ``synchronize()`` -> ``torch.accelerator``'s, guarded.
 
     ``memory_allocated(d)`` -> ``(torch.accelerator.memory_allocated(d) if torch.accelerator.is_available()
-    else 0)``, and likewise ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``: 0 with no
-    accelerator, as the originals return on a CPU-only machine. ``reset_peak_memory_stats()``, ``empty_cache()``
-    and ``synchronize()`` become ``if torch.accelerator.is_available(): torch.accelerator.synchronize()`` (a
-    conditional expression when not a whole statement): on a CPU-only machine work is done when its call returns,
-    and ``torch.accelerator``'s functions raise there. Each exists in ``torch.accelerator`` since PyTorch 2.8. A ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
+    else 0)``, and likewise ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved`` (0 with no
+    accelerator, as the originals return on a CPU-only machine) and ``memory_stats`` (``{}``).
+    ``reset_peak_memory_stats()`` (also under its old names ``reset_max_memory_allocated`` and
+    ``reset_max_memory_cached``), ``reset_accumulated_memory_stats()``, ``empty_cache()`` and ``synchronize()``
+    become ``if torch.accelerator.is_available(): torch.accelerator.synchronize()`` (a conditional expression when
+    not a whole statement): on a CPU-only machine work is done when its call returns,
+    and ``torch.accelerator``'s functions raise there. Each exists in ``torch.accelerator`` since PyTorch 2.8. A
+    ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
     """
     name = ctx.source_attribute(original.func)
-    if name not in _MEMORY_VALUES + _MEMORY_ACTIONS:
+    name = _MEMORY_RENAMED.get(name, name)
+    if name not in _MEMORY_VALUES and name not in _MEMORY_ACTIONS:
         return None
     if any(arg.star for arg in updated.args):
         return None
     args = _tidy([arg.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT) for arg in updated.args])
     call = cst.Call(ctx.expr("{torch}.accelerator." + name), args)
-    return ctx.guarded(call, "0" if name in _MEMORY_VALUES else "None")
+    return ctx.guarded(call, _MEMORY_VALUES.get(name, "None"))
 
 
 @register_rule("cuda-seed", cst.Call)

@@ -51,7 +51,8 @@ HANDLED: dict[str, bool] = {
     "is_available": False, "device_count": False, "current_device": False, "set_device": False,
     "synchronize": False, "current_stream": False, "stream": False, "get_device_name": False,
     "memory_allocated": True, "max_memory_allocated": True, "memory_reserved": True, "max_memory_reserved": True,
-    "reset_peak_memory_stats": True, "empty_cache": True, "manual_seed": True, "manual_seed_all": True,
+    "reset_peak_memory_stats": True, "empty_cache": True, "memory_stats": True, "reset_accumulated_memory_stats": True,
+    "reset_max_memory_allocated": True, "reset_max_memory_cached": True, "manual_seed": True, "manual_seed_all": True,
     "Event": True, "Stream": True, "amp.autocast": True, "amp.GradScaler": True,
 }
 
