@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from torchport.compat import cpu_fallback
-from torchport.compat.cpu_fallback import calls, explain_missing_op, registered
+from torchport.compat.cpu_fallback import calls, count_host_fallbacks, explain_missing_op, registered
 from torchport.compat.report import Recorder
 from torchport.compile.op_support import device_op_support
 from torchport.testing import unsupported_ops
@@ -145,6 +145,27 @@ def test_counts_reach_the_report_and_the_log(sim, monkeypatch, caplog) -> None:
     printed = io.StringIO()
     Recorder().print("npu:0", file=printed)
     assert "operators run on the CPU" in printed.getvalue() and "aten::erfinv" in printed.getvalue()
+
+
+def test_the_device_librarys_own_host_fallback_is_counted_with_its_call_site(sim) -> None:
+    assert count_host_fallbacks("npu") == []  # nothing runs on the host by itself
+    with unsupported_ops({"aten::erfinv"}, torch_npu_fallback=True):
+        assert device_op_support("npu", "aten::erfinv") == "host"
+        assert count_host_fallbacks("npu") == ["aten::erfinv", "aten::erfinv.out"]
+        before = _calls("aten::erfinv")
+        x = torch.full((3,), 0.5, device=sim)
+        for _ in range(3):
+            y = x.erfinv()  # the line the report names
+        assert y.device == sim and round(y.cpu()[0].item(), 4) == 0.4769
+    assert _calls("aten::erfinv") == before + 3
+    row = next(row for row in calls() if row["op"] == "aten::erfinv" and row["device"] == "npu")
+    assert "test_cpu_fallback.py:" in row["first_site"]
+    printed = io.StringIO()
+    Recorder().print("npu:0", file=printed)
+    assert "operators run on the CPU instead of npu:0" in printed.getvalue()
+    with unsupported_ops({"aten::erfinv"}, torch_npu_fallback=True):
+        cpu_fallback(False, device="npu")
+        assert count_host_fallbacks("cpu") == []  # the host itself has nothing to fall back from
 
 
 @pytest.mark.parametrize(("ops", "message"), [

@@ -275,3 +275,14 @@ def test_distributed_init_on_cpu_with_nccl_asked() -> None:
     """, LOCAL_RANK="0")
     assert result.returncode == 0, result.stderr
     assert result.stdout.split("\n")[:3] == ["gloo", "cpu gloo", "gloo [1.0, 1.0]"]
+
+
+def test_integer_devices_land_on_the_target(shim: torch.device) -> None:
+    # an int is a CUDA index to torch: torch.device(0) is the accelerator's device 0, an error on a host alone
+    for made in (torch.ones(2).to(0), torch.ones(2).cuda(0), torch.ones(2, device=0), torch.zeros(1).new_ones(
+            2, device=0), torch.nn.Linear(2, 2).to(0).weight):
+        assert made.device.type == shim.type
+    assert torch.device(0).type == shim.type
+    assert isinstance(torch.device(0), torch.device) and torch.device("cpu", 0) == torch.device("cpu:0")
+    assert torch.device("cuda", 0).type == "cuda"  # a CUDA device object is mapped where it is used
+    assert torch.ones(1).to(torch.device("cuda", 0)).device.type == shim.type

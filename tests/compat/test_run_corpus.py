@@ -96,7 +96,7 @@ def reference(corpus_root: Path, run_python):
 
 # The simulated NPU has no collective backend (a real NPU uses HCCL), so DDP and tensor parallelism run on the CPU
 # target only.
-NO_COLLECTIVES_ON_SIMULATED_NPU = {"ddp_nccl.py", "tensor_parallel.py"}
+NO_COLLECTIVES_ON_SIMULATED_NPU = {"ddp_nccl.py", "ddp_torchrun.py", "tensor_parallel.py"}
 
 
 def _cases():

@@ -67,3 +67,17 @@ def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cp
         assert len(got) == 3 and all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(got, want)), output
         assert f"rank {rank} shard (2, 2) gathered 28.0" in result.stdout, output
         assert f"rank {rank} dropout zeros or twos True" in result.stdout, output
+
+
+def test_two_ranks_of_the_ddp_tutorial_run_on_the_cpu_as_its_port_does(tmp_path: Path, run_python) -> None:
+    # nccl, device ids from rank % device_count(), .to(int), DDP(device_ids=[int]), map_location={"cuda:0": ...}
+    executable = _torchport_executable()
+    if executable is None:
+        pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
+    launch = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
+    port = run_python(*launch, str(HERE / "corpus_cpu" / "ddp_torchrun.py"), cwd=tmp_path, timeout=180)
+    assert port.returncode == 0, port.stderr
+    result = run_python(*launch, "--no-python", executable, "run", "--device", "cpu",
+                        str(HERE / "corpus" / "ddp_torchrun.py"), cwd=tmp_path, timeout=180)
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    assert result.stdout == port.stdout and port.stdout.startswith("mean loss "), result.stdout + port.stdout

@@ -2,7 +2,9 @@
 
 Each tests/migrate/corpus/NAME.py was written for CUDA; tests/migrate/ported/NAME.py is the same program ported by
 hand to the CPU. After `torchport migrate --write`, each migrated script must run in a fresh interpreter without
-importing torchport and print exactly what its hand-ported version prints.
+importing torchport and print exactly what its hand-ported version prints. The scripts of tests/compat/corpus named
+in SHARED run here too (against their ports in tests/compat/corpus_cpu), so those idioms are checked both ways:
+`torchport run` unchanged, and migrated then run with plain python.
 """
 
 from __future__ import annotations
@@ -20,7 +22,15 @@ from torchport.migrate import migrate_paths
 pytestmark = pytest.mark.slow  # migrated scripts run in fresh processes
 
 HERE = Path(__file__).parent
-CORPUS = sorted((HERE / "corpus").glob("*.py"))
+COMPAT = HERE.parent / "compat"
+# idioms the shim and the codemod both handle: TorchScript, the torchrun DDP tutorial, timed events, integer devices
+SHARED = ("cuda_events.py", "ddp_torchrun.py", "device_map.py", "integer_devices.py", "jit_library.py")
+CORPUS = sorted((HERE / "corpus").glob("*.py")) + [COMPAT / "corpus" / name for name in SHARED]
+
+
+def _port(script: Path) -> Path:
+    """The hand-ported CPU version of a corpus script."""
+    return (HERE / "ported" if script.parent == HERE / "corpus" else COMPAT / "corpus_cpu") / script.name
 # runs a script as __main__ with the arguments after it (as `python script.py ARGS` would), then fails if torchport
 # was imported along the way
 RUNNER = ("import runpy, sys; sys.argv = sys.argv[1:]; runpy.run_path(sys.argv[0], run_name='__main__'); "
@@ -48,16 +58,16 @@ def _run_all(paths: list[Path], *args: str) -> list[subprocess.CompletedProcess[
 
 
 def test_corpus_is_not_empty_and_every_script_has_a_port() -> None:
-    assert len(CORPUS) >= 5
+    assert len(CORPUS) >= 5 and len({script.name for script in CORPUS}) == len(CORPUS)
     for script in CORPUS:
-        assert (HERE / "ported" / script.name).exists(), script.name
+        assert _port(script).exists(), script.name
 
 
 def test_migrated_scripts_run_on_cpu_like_the_hand_ported_ones(migrated: Path) -> None:
     names = [script.name for script in CORPUS]
-    runs = _run_all([migrated / n for n in names] + [HERE / "ported" / n for n in names])
+    runs = _run_all([migrated / n for n in names] + [_port(script) for script in CORPUS])
     for name, mine, theirs in zip(names, runs[: len(names)], runs[len(names):]):
-        assert theirs.returncode == 0, f"ported/{name} failed:\n{theirs.stderr}"
+        assert theirs.returncode == 0, f"the port of {name} failed:\n{theirs.stderr}"
         assert mine.returncode == 0, f"migrated {name} failed:\n{mine.stderr}"
         assert mine.stdout == theirs.stdout, f"{name}: migrated printed\n{mine.stdout}\nported printed\n{theirs.stdout}"
         assert mine.stdout.strip()
@@ -69,6 +79,19 @@ def test_migrated_corpus_is_plain_pytorch(migrated: Path) -> None:
         assert "torchport" not in code
         assert "torch.cuda" not in code and ".cuda(" not in code, script.name
         compile(code, script.name, "exec")
+
+
+def test_the_migrated_ddp_tutorial_runs_under_torchrun_like_its_port(migrated: Path) -> None:
+    # two ranks on one CPU: gloo, every device id on the host, the checkpoint reloaded onto it
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    procs = [subprocess.Popen([*command, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env, cwd=path.parent)
+             for path in (migrated / "ddp_torchrun.py", COMPAT / "corpus_cpu" / "ddp_torchrun.py")]
+    (mine, mine_err), (theirs, theirs_err) = (proc.communicate(timeout=180) for proc in procs)
+    assert procs[1].returncode == 0, theirs_err
+    assert procs[0].returncode == 0, mine_err
+    assert mine == theirs and mine.startswith("mean loss ")
 
 
 def test_second_run_changes_nothing(migrated: Path) -> None:

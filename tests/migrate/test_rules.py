@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from torchport.migrate import get_rule, list_rules, migrate_source, register_rule
@@ -40,7 +42,13 @@ GOLDEN = [
      "if torch.accelerator.is_available():\n    torch.accelerator.set_device_index(rank)"),
     ("cuda-set-device", "x = f(torch.cuda.set_device(0))",
      "x = f((torch.accelerator.set_device_index(0) if torch.accelerator.is_available() else None))"),
-    ("cuda-device-module", "torch.cuda.synchronize()", "torch.get_device_module(DEVICE).synchronize()"),
+    ("cuda-device-module", "f = torch.cuda.synchronize", "f = torch.get_device_module(DEVICE).synchronize"),
+    ("cuda-memory", "s = torch.cuda.memory_stats()",
+     "s = (torch.accelerator.memory_stats() if torch.accelerator.is_available() else {})"),
+    ("cuda-memory", "torch.cuda.reset_max_memory_allocated(0)",
+     "if torch.accelerator.is_available():\n    torch.accelerator.reset_peak_memory_stats(0)"),
+    ("cuda-memory", "torch.cuda.synchronize()",
+     "if torch.accelerator.is_available():\n    torch.accelerator.synchronize()"),
     ("cuda-device-module", "s = torch.cuda.current_stream()", "s = torch.get_device_module(DEVICE).current_stream()"),
     ("cuda-device-module", "n = torch.cuda.get_device_name(0)", "n = torch.get_device_module(DEVICE).get_device_name(0)"),
     ("cuda-memory", "m = torch.cuda.memory_allocated() / 2**20",
@@ -55,8 +63,26 @@ GOLDEN = [
      "if torch.accelerator.is_available():\n    torch.get_device_module(DEVICE).manual_seed_all(0)"),
     ("cuda-seed", "torch.cuda.manual_seed(3)",
      "if torch.accelerator.is_available():\n    torch.get_device_module(DEVICE).manual_seed(3)"),
-    ("cuda-event", "e = torch.cuda.Event(enable_timing=True)", "e = torch.Event(enable_timing=True)"),
-    ("cuda-event", "e = torch.cuda.Event(True, False)", "e = torch.Event(enable_timing=True, blocking=False)"),
+    ("cuda-event", "e = torch.cuda.Event(enable_timing=True)",
+     "e = (torch.Event(enable_timing=True) if torch.accelerator.is_available() else HostEvent(enable_timing=True))"),
+    ("cuda-event", "e = torch.cuda.Event(True, False)",
+     "e = (torch.Event(enable_timing=True, blocking=False) if torch.accelerator.is_available() else "
+     "HostEvent(enable_timing=True, blocking=False))"),
+    ("device-index", "y = x.to(0)", "y = x.to(torch.device(DEVICE.type, 0))"),
+    ("device-index", "y = torch.ones(2, device=1)", "y = torch.ones(2, device=torch.device(DEVICE.type, 1))"),
+    ("device-index", 's = torch.load(f, map_location={"cuda:0": 1})',
+     's = torch.load(f, map_location={"cuda:0": torch.device(DEVICE.type, 1)})'),
+    ("device-index", 'm = load(p, device_map={"": 0})', 'm = load(p, device_map={"": torch.device(DEVICE.type, 0)})'),
+    ("device-index-name", "m = net.to(local_rank)", "m = net.to(torch.device(DEVICE.type, local_rank))"),
+    ("device-index-name", "i = r % torch.cuda.device_count()\ny = x.to(i)",
+     "i = r % max(torch.accelerator.device_count(), 1)\ny = x.to(torch.device(DEVICE.type, i))"),
+    ("device-index-attribute", "m = net.to(args.gpu)", "m = net.to(torch.device(DEVICE.type, args.gpu))"),
+    ("device-int", "d = torch.device(0)", "d = torch.device(DEVICE.type, 0)"),
+    ("device-int", "d = torch.device(local_rank)", "d = torch.device(DEVICE.type, local_rank)"),
+    ("device-count-modulo", "i = rank % torch.cuda.device_count()",
+     "i = rank % max(torch.accelerator.device_count(), 1)"),
+    ("device-fstring", 's = torch.load(f, map_location={"cuda:0": f"cuda:{rank}"})',
+     's = torch.load(f, map_location={"cuda:0": f"{DEVICE.type}:{rank}"})'),
     ("cuda-stream", "s = torch.cuda.Stream(priority=-1)", "s = torch.Stream(priority=-1)"),
     ("amp-autocast", "with torch.cuda.amp.autocast():\n    pass", "with torch.amp.autocast(DEVICE.type):\n    pass"),
     ("amp-autocast", "with torch.cuda.amp.autocast(True, torch.bfloat16):\n    pass",
@@ -104,6 +130,7 @@ GOLDEN = [
 
 
 def _after_imports(code: str) -> str:
+    code = re.sub(r"\nclass HostEvent:\n(    .*\n|\n)*", "\n", code)  # cuda-event's helper, tested on its own
     lines = code.splitlines()
     body = [line for line in lines if not line.startswith(("import ", "from ")) and line != HEADER]
     return "\n".join(body).strip()
@@ -172,3 +199,49 @@ def test_registry_rejects_duplicates_and_names_what_exists() -> None:
         register_rule("tensor-cuda", object)(lambda original, updated, ctx: None)
     with pytest.raises(ValueError, match=r"'nope' is not a migrate rule; registered: .*tensor-cuda"):
         get_rule("nope")
+
+
+def test_the_host_event_times_with_the_host_clock() -> None:
+    code = migrate_source("import torch\ns, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)\n").code
+    assert code.count("class HostEvent:") == 1 and "\nimport time\n" in code
+    namespace: dict = {}
+    exec(compile(code.replace("torch.accelerator.is_available()", "False"), "<migrated>", "exec"), namespace)
+    start, end = namespace["s"], namespace["e"]
+    start.record()
+    end.record()
+    end.synchronize()
+    assert start.query() and 0 <= start.elapsed_time(end) < 1000
+    assert migrate_source(code).code == code  # a second run keeps the one helper
+
+
+def test_a_name_also_bound_to_a_device_is_no_index() -> None:
+    code = "import torch\ndevice_id = torch.device('cpu')\ny = x.to(device_id)\nz = torch.device(rank)\n"
+    result = migrate_source(code).code
+    assert "x.to(device_id)" in result and "torch.device(DEVICE.type, rank)" in result
+    assert "device_id = 0\n" in migrate_source("import torch\ndevice_id = 0\n").code
+
+
+def test_a_flag_the_module_assigns_is_not_the_tensor_property() -> None:
+    code = "import torch\nclass L:\n    def __init__(self, d):\n        self.is_cuda = d.type == 'cuda'\n" \
+           "    def go(self):\n        return self.is_cuda\n"
+    migrated = migrate_source(code).code
+    assert "self.is_cuda = d.type != 'cpu'" in migrated and "return self.is_cuda\n" in migrated
+
+
+# torch.accelerator's functions in every PyTorch the migrated code must run on (its __all__ in 2.8; 2.12 added
+# Graph, get_device_capability, get_memory_info...): code migrate writes may use these only
+ACCELERATOR_EVERYWHERE = frozenset({
+    "current_accelerator", "current_device_index", "current_stream", "empty_cache", "device_count", "device_index",
+    "is_available", "max_memory_allocated", "max_memory_reserved", "memory_allocated", "memory_reserved",
+    "memory_stats", "reset_accumulated_memory_stats", "reset_peak_memory_stats", "set_device_index", "set_stream",
+    "synchronize",
+})
+
+
+def test_migrated_code_uses_only_the_torch_accelerator_of_every_supported_pytorch() -> None:
+    import torch
+
+    written = {name for _, _, after in GOLDEN for name in re.findall(r"torch\.accelerator\.(\w+)", after)}
+    written |= set(re.findall(r"torch\.accelerator\.(\w+)", HEADER))
+    assert written and written <= ACCELERATOR_EVERYWHERE, written - ACCELERATOR_EVERYWHERE
+    assert all(hasattr(torch.accelerator, name) for name in written)

@@ -121,6 +121,10 @@ def handle(args: argparse.Namespace) -> int:
         device = compat.patch(args.device)
     except (ValueError, RuntimeError) as exc:
         raise argparse.ArgumentError(None, str(exc)) from exc
+    if report:  # the device library's own CPU fallback (torch_npu's) is counted per call, with its call site
+        from ..compat.cpu_fallback import count_host_fallbacks
+
+        count_host_fallbacks(device)
     # Child processes (DataLoader workers, torch.multiprocessing, subprocess) get the same shim at start-up.
     os.environ["TORCHPORT_SHIM"] = str(device)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHILD_HOOK, os.environ.get("PYTHONPATH")]))

@@ -62,15 +62,19 @@ def patch(target: DeviceLike = None) -> torch.device:
             backend.set_index(index)
         chosen = Target(backend, Recorder())
         patcher = Patcher()
-        _state.update(target=chosen, patcher=patcher, guard=None)
+        _state.update(target=chosen, patcher=patcher, guard=None, jit=[])
         if backend.name != "cuda":  # on CUDA itself there is nothing to redirect
-            from . import cuda_api, cuda_only, tensor_types, torch_api
+            from . import cuda_api, cuda_only, jit, tensor_types, torch_api
+            from torch.jit import _builtins
+
+            _builtins._get_builtin_table()  # built from torch's own functions, before any is replaced
 
             torch_api.install(chosen, patcher, lambda *a, **k: cuda_api.make_event(chosen, *a, **k),
                               lambda *a, **k: cuda_api.make_stream(chosen, *a, **k))
             cuda_api.install(chosen, patcher)
             tensor_types.install(chosen, patcher)
             _state["guard"] = cuda_only.install(chosen, patcher)
+            _state["jit"] = jit.install(patcher)
         return chosen.device(index)
 
 
@@ -80,6 +84,9 @@ def unpatch() -> None:
         patcher = _state.pop("patcher", None)
         guard = _state.pop("guard", None)
         _state.pop("target", None)
+        from . import jit
+
+        jit.uninstall(_state.pop("jit", []))
         failures = patcher.restore() if patcher is not None else []
         if guard is not None and guard in sys.meta_path:
             sys.meta_path.remove(guard)

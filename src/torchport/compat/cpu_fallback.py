@@ -40,7 +40,8 @@ from ..backends import Backend, get_backend
 from ..compile.op_support import device_op_support, operator_overloads
 from ..device import DeviceLike
 
-__all__ = ["call_on_cpu", "calls", "cpu_fallback", "explain_missing_op", "numbers_as_tensors", "registered"]
+__all__ = ["call_on_cpu", "calls", "count_host_fallbacks", "cpu_fallback", "explain_missing_op", "numbers_as_tensors",
+           "registered"]
 
 # Operators that allocate, copy between devices or change storage: the fallback itself needs them on the device.
 _REFUSED = frozenset({
@@ -101,6 +102,36 @@ def cpu_fallback(enable: bool = True, ops: Iterable[Any] | None = None, device: 
                          ", ".join(sorted(owned)) or "none")
         _registered[backend.name] = frozenset(owned)
         return sorted(owned)
+
+
+def count_host_fallbacks(device: DeviceLike = None) -> list[str]:
+    """Count the operators the device's own library runs on the CPU (torch_npu's CPU fallback), each with its first
+    call site, for ``torchport run --report``.
+
+    A library's fallback runs silently after one warning, so a program slowed by host round trips looks like an
+    idle device. Each operator the library would send to the CPU (:func:`~torchport.compile.op_support.device_op_support`
+    ``"host"``) gets :func:`cpu_fallback`'s kernel instead, which does the same work (copy to the CPU, run, copy
+    back) and counts every call. Nothing is registered for a device without such a fallback, or whose library is
+    not loaded; operators that must stay on the device are left to the library.
+
+    Returns:
+        The operators now counted, sorted.
+
+    Example:
+        >>> count_host_fallbacks("npu")
+        ['aten::erfinv', 'aten::erfinv.out']
+    """
+    backend = _backend(device)
+    if backend.dispatch_key in (None, "CPU") or not backend.host_fallback:
+        return []
+    if backend.has_kernel("aten::empty.memory_format") is None:
+        return []
+    host = [name for name in torch._C._dispatch_get_all_op_names()
+            if device_op_support(backend, name) == "host" and _refusal(name) is None]
+    if not host:
+        return []
+    cpu_fallback(ops=host, device=backend.name)
+    return sorted(host)
 
 
 def registered(device_type: str) -> frozenset[str]:

@@ -71,7 +71,7 @@ class Recorder:
             "redirected": [{"api": api, "count": n, "first_site": self.sites.get(api, "?")}
                            for api, n in sorted(self.counts.items(), key=lambda item: -item[1])],
             "cuda_only": [dataclasses.asdict(f) for f in self.findings],
-            "cpu_fallback": calls(),  # operators torchport.compat.cpu_fallback ran on the CPU
+            "cpu_fallback": calls(),  # operators run on the CPU: cpu_fallback's, and the device library's own
         }
 
     def print(self, target: str, file: Any = None) -> None:
@@ -95,7 +95,8 @@ class Recorder:
                 found.add_row(row["name"], row["site"], row["hint"])
             console.print(found)
         if data["cpu_fallback"]:
-            fallback = Table(title="operators run on the CPU (torchport.compat.cpu_fallback)")
+            fallback = Table(title=f"operators run on the CPU instead of {target} (host fallbacks: every call copies "
+                                   "its tensors there and back)")
             for column in ("operator", "device", "calls", "first call site"):
                 fallback.add_column(column, overflow="fold")
             for row in data["cpu_fallback"]:

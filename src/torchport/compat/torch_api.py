@@ -95,6 +95,22 @@ def _generator(target: Target, original: type) -> type:
     return Generator
 
 
+def _device_class(target: Target, original: type) -> type:
+    class device(metaclass=_instance_check(original)):  # noqa: N801 - torch's name
+        """torch.device, with a bare index (``torch.device(0)``: device 0 of the accelerator, which the host lacks)
+        on the target; any other arguments make torch's own device."""
+
+        def __new__(cls, *args: Any, **kwargs: Any) -> Any:
+            if len(args) == 1 and not kwargs and isinstance(args[0], int) and not isinstance(args[0], bool):
+                return target.map_index(args[0], "torch.device(int)")
+            return original(*args, **kwargs)
+
+    device.__qualname__ = device.__name__ = original.__name__
+    device.__module__ = original.__module__
+    device.__wrapped__ = original  # type: ignore[attr-defined]  # TorchScript compiles it as torch.device (compat.jit)
+    return device
+
+
 def _autocast_class(target: Target, original: type) -> type:
     class autocast(original):  # noqa: N801 - torch's name
         """torch.autocast, with device_type "cuda" mapped onto the target and its dtype chosen for it."""
@@ -266,6 +282,8 @@ def install(target: Target, patcher: Patcher, make_event: Any, make_stream: Any)
         patcher.wrap(torch, name, lambda fn, name=name: _device_kwarg(target, fn, f"torch.{name}(device=cuda)"))
     patcher.wrap(torch, "load", lambda fn: _load(target, fn))
     patcher.wrap(torch, "Generator", lambda cls: _generator(target, cls))
+    if target.host:  # an accelerator's own torch.device(0) is already its device 0
+        patcher.wrap(torch, "device", lambda cls: _device_class(target, cls))
 
     tensor, module = torch.Tensor, torch.nn.Module
     patcher.wrap(tensor, "to", lambda fn: _first_arg_or_device(target, fn, "Tensor.to(cuda)"))

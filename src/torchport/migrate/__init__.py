@@ -64,9 +64,14 @@ def migrate_source(code: str, path: str = "<string>") -> FileResult:
     from libcst.metadata import MetadataWrapper
 
     from . import rules  # noqa: F401  (registers the built-in rules)
-    from .transform import MigrationTransformer
+    from .transform import TRIGGERS, MigrationTransformer
 
     result = FileResult(path, original=code, code=code)
+    if not TRIGGERS.search(code):  # nothing any rule looks at: only the syntax check, which Python does fast
+        error = _syntax_error(code)
+        if error is not None:
+            result.skipped = f"syntax error: {error}"
+        return result
     try:
         module = cst.parse_module(code)
     except cst.ParserSyntaxError as exc:

@@ -117,8 +117,12 @@ def device_check(original: cst.Comparison, updated: cst.Comparison, ctx: Context
 
 @register_rule("is-cuda", cst.Attribute)
 def is_cuda(original: cst.Attribute, updated: cst.Attribute, ctx: Context) -> cst.BaseExpression | None:
-    """``x.is_cuda`` -> ``x.device.type != "cpu"`` (parenthesized next to an operator, attribute or call)."""
-    if updated.attr.value != f"is_{SOURCE_DEVICE}":
+    """``x.is_cuda`` -> ``x.device.type != "cpu"`` (parenthesized next to an operator, attribute or call).
+
+    A module that assigns an attribute of that name (``self.is_cuda = ...``) has its own flag, not the tensor
+    property: its uses stay as written.
+    """
+    if updated.attr.value != f"is_{SOURCE_DEVICE}" or f"is_{SOURCE_DEVICE}" in _assigned_attributes(ctx):
         return None
     check = cst.Comparison(
         left=cst.Attribute(cst.Attribute(updated.value, cst.Name("device")), cst.Name("type")),
@@ -130,6 +134,34 @@ def is_cuda(original: cst.Attribute, updated: cst.Attribute, ctx: Context) -> cs
                                                                           getattr(parent, "func", None))):
         check = check.with_changes(lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
     return check
+
+
+def _assigned_attributes(ctx: Context) -> frozenset[str]:
+    """Names of the attributes the module assigns (``x.name = ...``, ``x.name += ...``, ``x.name: T = ...``)."""
+    found = ctx.cache.get("assigned_attributes")
+    if found is None:
+        names: set[str] = set()
+
+        class Targets(cst.CSTVisitor):
+            def visit_AssignTarget(self, node: cst.AssignTarget) -> None:
+                _collect(node.target)
+
+            def visit_AugAssign(self, node: cst.AugAssign) -> None:
+                _collect(node.target)
+
+            def visit_AnnAssign(self, node: cst.AnnAssign) -> None:
+                _collect(node.target)
+
+        def _collect(target: cst.BaseExpression) -> None:
+            if isinstance(target, cst.Attribute):
+                names.add(target.attr.value)
+            elif isinstance(target, (cst.Tuple, cst.List)):
+                for element in target.elements:
+                    _collect(element.value)
+
+        ctx.module.visit(Targets())
+        found = ctx.cache["assigned_attributes"] = frozenset(names)
+    return found  # type: ignore[return-value]
 
 
 # -- tensors and modules -----------------------------------------------------------------------------------------
@@ -184,11 +216,15 @@ def cuda_device_module(original: cst.Attribute, updated: cst.Attribute, ctx: Con
     """The CUDA module's ``synchronize``, ``current_stream``, ``stream``, ``get_device_name`` -> the device's module.
 
     ``torch.get_device_module(DEVICE).synchronize`` and so on: the module of the accelerator in use, or
-    ``torch.cpu`` (which has ``synchronize``, ``current_stream`` and ``stream``) on a CPU-only machine.
+    ``torch.cpu`` (which has ``synchronize``, ``current_stream`` and ``stream``) on a CPU-only machine. A call of
+    ``synchronize()`` is cuda-memory's.
     """
     name = ctx.source_attribute(original)
     if name not in _DEVICE_MODULE:
         return None
+    parent = ctx.parent(original)
+    if name in _MEMORY_ACTIONS and isinstance(parent, cst.Call) and parent.func is original:
+        return None  # a call: cuda-memory writes torch.accelerator's, guarded
     return ctx.expr("{torch}.get_device_module({device})." + name)
 
 
@@ -205,28 +241,38 @@ def cuda_set_device(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.
     return ctx.guarded(updated, "None")
 
 
-_MEMORY_VALUES = ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved")
-_MEMORY_ACTIONS = ("reset_peak_memory_stats", "empty_cache")
+# what each returns with no accelerator, as the CUDA originals do on a CPU-only machine
+_MEMORY_VALUES = {"memory_allocated": "0", "max_memory_allocated": "0", "memory_reserved": "0",
+                  "max_memory_reserved": "0", "memory_stats": "{}"}
+_MEMORY_ACTIONS = ("reset_peak_memory_stats", "reset_accumulated_memory_stats", "empty_cache", "synchronize")
+# the CUDA module's deprecated names, and torch.accelerator's function that does the same
+_MEMORY_RENAMED = {"reset_max_memory_allocated": "reset_peak_memory_stats",
+                   "reset_max_memory_cached": "reset_peak_memory_stats"}
 
 
 @register_rule("cuda-memory", cst.Call)
 def cuda_memory(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
-    """The CUDA module's memory counters and ``empty_cache`` -> ``torch.accelerator``'s, guarded.
+    """The CUDA module's memory counters, ``empty_cache`` and ``synchronize()`` -> ``torch.accelerator``'s, guarded.
 
     ``memory_allocated(d)`` -> ``(torch.accelerator.memory_allocated(d) if torch.accelerator.is_available()
-    else 0)``, and likewise ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved``: 0 with no
-    accelerator, as the originals return on a CPU-only machine. ``reset_peak_memory_stats()`` and ``empty_cache()``
-    become ``if torch.accelerator.is_available(): torch.accelerator.empty_cache()`` (a conditional expression when
-    not a whole statement). A ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
+    else 0)``, and likewise ``max_memory_allocated``, ``memory_reserved``, ``max_memory_reserved`` (0 with no
+    accelerator, as the originals return on a CPU-only machine) and ``memory_stats`` (``{}``).
+    ``reset_peak_memory_stats()`` (also under its old names ``reset_max_memory_allocated`` and
+    ``reset_max_memory_cached``), ``reset_accumulated_memory_stats()``, ``empty_cache()`` and ``synchronize()``
+    become ``if torch.accelerator.is_available(): torch.accelerator.synchronize()`` (a conditional expression when
+    not a whole statement): on a CPU-only machine work is done when its call returns,
+    and ``torch.accelerator``'s functions raise there. Each exists in ``torch.accelerator`` since PyTorch 2.8. A
+    ``device=`` keyword becomes positional (``torch.accelerator`` takes it positionally).
     """
     name = ctx.source_attribute(original.func)
-    if name not in _MEMORY_VALUES + _MEMORY_ACTIONS:
+    name = _MEMORY_RENAMED.get(name, name)
+    if name not in _MEMORY_VALUES and name not in _MEMORY_ACTIONS:
         return None
     if any(arg.star for arg in updated.args):
         return None
     args = _tidy([arg.with_changes(keyword=None, equal=cst.MaybeSentinel.DEFAULT) for arg in updated.args])
     call = cst.Call(ctx.expr("{torch}.accelerator." + name), args)
-    return ctx.guarded(call, "0" if name in _MEMORY_VALUES else "None")
+    return ctx.guarded(call, _MEMORY_VALUES.get(name, "None"))
 
 
 @register_rule("cuda-seed", cst.Call)
@@ -244,12 +290,38 @@ def cuda_seed(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseEx
     return ctx.guarded(call, "None")
 
 
+HOST_EVENT = """class {name}:
+    \"\"\"torch.Event on a machine without an accelerator, where PyTorch has none: the host runs work in order, so
+    its clock times it.\"\"\"
+
+    def __init__(self, enable_timing=False, blocking=False, interprocess=False):
+        self.time = None
+
+    def record(self, stream=None):
+        self.time = time.perf_counter()
+
+    def query(self):
+        return True
+
+    def synchronize(self):
+        return None  # the host's work is done when its call returns
+
+    def wait(self, stream=None):
+        return None
+
+    def elapsed_time(self, end_event):
+        return (end_event.time - self.time) * 1000.0
+"""
+
+
 @register_rule("cuda-event", cst.Call)
 def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
-    """The CUDA module's ``Event(...)`` -> ``torch.Event(...)``, positional arguments passed as keywords.
+    """The CUDA module's ``Event(...)`` -> ``torch.Event(...)``, or a host-clock event without an accelerator.
 
-    ``torch.Event`` takes the device first, so ``enable_timing``, ``blocking`` and ``interprocess`` must be named.
-    PyTorch has no CPU events: on a CPU-only machine ``record()`` raises, as the original did.
+    ``(torch.Event(enable_timing=True) if torch.accelerator.is_available() else HostEvent(enable_timing=True))``:
+    PyTorch has no CPU events (``torch.Event`` raises there), so the module gets a small ``HostEvent`` class in
+    plain Python whose ``record`` reads the host clock and whose ``elapsed_time`` gives milliseconds, as CUDA's
+    does. ``torch.Event`` takes the device first, so ``enable_timing``, ``blocking`` and ``interprocess`` are named.
     """
     if ctx.source_attribute(original.func) != "Event":
         return None
@@ -257,7 +329,10 @@ def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseE
     if args is None:
         ctx.unconverted(original, "Event(*args)", "name the arguments: torch.Event(enable_timing=...)")
         return None
-    return updated.with_changes(func=ctx.expr("{torch}.Event"), args=_tidy(args))
+    event = updated.with_changes(func=ctx.expr("{torch}.Event"), args=_tidy(args))
+    host = cst.Call(cst.Name(ctx.helper("HostEvent", HOST_EVENT, ("time",))), _tidy(args))
+    return cst.IfExp(test=ctx.expr("{torch}.accelerator.is_available()"), body=event, orelse=host,
+                     lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
 
 @register_rule("cuda-stream", cst.Call)
@@ -524,3 +599,6 @@ def tensor_type(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.Base
         return None
     target = [cst.Arg(ctx.expr("{device}")), cst.Arg(ctx.expr("{torch}." + LEGACY_TYPES[name]))]
     return updated.with_changes(func=func.with_changes(attr=cst.Name("to")), args=_tidy([*target, *args[1:]]))
+
+
+from . import device_index  # noqa: E402,F401  (registers the rules for integer devices)

@@ -17,7 +17,7 @@ from libcst.metadata import ParentNodeProvider, PositionProvider, QualifiedNameP
 from . import review, unconvertible
 from .registry import SOURCE, SOURCE_DEVICE, rules_for
 
-__all__ = ["SOURCE", "Change", "Unconverted", "Review", "Context", "MigrationTransformer"]
+__all__ = ["SOURCE", "TRIGGERS", "Change", "Unconverted", "Review", "Context", "MigrationTransformer"]
 
 DEVICE_NAMES = ("DEVICE", "DEFAULT_DEVICE", "TORCH_DEVICE", "MIGRATED_DEVICE")
 DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_available=True) or {torch}.device("cpu")'
@@ -25,6 +25,14 @@ DEVICE_DEFINITION = '{name} = {torch}.accelerator.current_accelerator(check_avai
 # The bare form (written by earlier versions) is recognised too, so re-running stays idempotent.
 _DEFINITION_RE = re.compile(
     r"^(\w+) = (\w+)\.accelerator\.current_accelerator\((?:check_available=True)?\) or \2\.device\([\"']cpu[\"']\)$"
+)
+
+#: text without any of these has nothing a rule rewrites, reports or lists to review: such a module is not parsed by
+#: libcst (about 1.5 ms a line on a 2-core machine); a rule whose golden examples (tests/migrate/test_rules.py)
+#: lack every trigger fails there
+TRIGGERS = re.compile(
+    rf"{SOURCE_DEVICE}|nccl|init_process_group|device_ids|output_device|flash_attn|cupy|triton|cpp_extension"
+    r"|(\.to\(|device\(|device=)\s*[\w.]*?(\d|rank|gpu|device_i)|device_map\s*=\s*\{"  # integer devices
 )
 
 #: keyword arguments that name a device in any call
@@ -83,6 +91,26 @@ class Context:
         self.needs_torch = False
         self.statement_guards: set[cst.IfExp] = set()
         self.blocked_names: set[str] = set()  # from-imported names whose import stays as written
+        self.cache: dict[str, object] = {}  # what a rule works out once per module
+        self.helpers: dict[str, str] = {}  # name -> definition, put after the device definition
+        self.imports: set[str] = set()  # modules the helpers import
+
+    def helper(self, name: str, definition: str, imports: tuple[str, ...] = ()) -> str:
+        """Define ``name`` once in the module (``definition`` is its code, ``{name}`` its name), importing
+        ``imports``; returns the name to call, which avoids the module's own names. A module that defines a
+        class or function of that name already (a second run) keeps it."""
+        if name in self._transformer.defined:
+            return name
+        used = self._transformer.used_names
+        chosen = name if name not in used else next(f"{name}{i}" for i in range(2, 100) if f"{name}{i}" not in used)
+        self.helpers.setdefault(chosen, definition.format(name=chosen))
+        self.imports.update(imports)
+        return chosen
+
+    @property
+    def module(self) -> cst.Module:
+        """The module being migrated, as parsed (its nodes are the original ones)."""
+        return self._transformer._module
 
     def qualified(self, node: cst.CSTNode) -> set[str]:
         """The fully qualified names ``node`` (an original node) may refer to, through imports and aliases."""
@@ -181,6 +209,12 @@ class MigrationTransformer(cst.CSTTransformer):
         self._has_torch = alias is not None
         self._existing = _existing_definition(module)
         used = {node.value for node in _names(module)}
+        self.used_names = used
+        self.defined = {statement.name.value for statement in module.body
+                        if isinstance(statement, (cst.ClassDef, cst.FunctionDef))}
+        self._imported = {cst.Module([]).code_for_node(alias.name) for statement in module.body
+                          if isinstance(statement, cst.SimpleStatementLine) for small in statement.body
+                          if isinstance(small, cst.Import) for alias in small.names if alias.asname is None}
         name = self._existing or next((n for n in DEVICE_NAMES if n not in used), DEVICE_NAMES[-1] + "_")
         self.ctx = Context(self, alias or "torch", name)
 
@@ -233,6 +267,12 @@ class MigrationTransformer(cst.CSTTransformer):
     def visit_DictElement(self, node: cst.DictElement) -> None:
         if isinstance(node.key, cst.SimpleString) and "device" in node.key.value.lower():
             self._mark(node.value)
+
+    def visit_Dict(self, node: cst.Dict) -> None:
+        if node in self.device_positions:  # map_location={"cuda:0": f"cuda:{rank}"}: the devices loaded onto
+            for element in node.elements:
+                if isinstance(element, cst.DictElement):
+                    self._mark(element.value)
 
     def visit_IfExp(self, node: cst.IfExp) -> None:
         if node in self.device_positions:
@@ -290,16 +330,21 @@ class MigrationTransformer(cst.CSTTransformer):
         header: list[cst.SimpleStatementLine] = []
         if self.ctx.needs_torch and not self._has_torch:
             header.append(cst.parse_statement("import torch\n"))  # joins the imports
+        for module in sorted(self.ctx.imports - self._imported):
+            header.append(cst.parse_statement(f"import {module}\n"))
         if self.ctx.needs_device and self._existing is None:
             code = DEVICE_DEFINITION.format(name=self.ctx.device_name, torch=self.ctx.torch)
             blank = [cst.EmptyLine()] if self._imports_end > 0 or header else []
             header.append(cst.parse_statement(code + "\n").with_changes(leading_lines=blank))
+        for definition in self.ctx.helpers.values():
+            blank = [cst.EmptyLine()] * (2 if self._imports_end > 0 or header else 0)
+            header.append(cst.parse_statement(definition).with_changes(leading_lines=blank))
         if not header:
             return updated_node
         body = list(updated_node.body)
         end = self._imports_end
-        if end < len(body) and not body[end].leading_lines:
-            body[end] = body[end].with_changes(leading_lines=[cst.EmptyLine()])
+        if end < len(body) and len(body[end].leading_lines) < (2 if self.ctx.helpers else 1):
+            body[end] = body[end].with_changes(leading_lines=[cst.EmptyLine()] * (2 if self.ctx.helpers else 1))
         return updated_node.with_changes(body=[*body[:end], *header, *body[end:]])
 
 

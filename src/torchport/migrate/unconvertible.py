@@ -22,6 +22,11 @@ from .registry import SOURCE as _CUDA
 SDPA_HINT = "use torch.nn.functional.scaled_dot_product_attention, which picks each device's fused attention"
 
 
+# torch.accelerator.Graph exists from PyTorch 2.12 only, so migrate does not write it: code must run on older ones too
+_GRAPH_HINT = ("use torch.compile(mode='reduce-overhead'), or torch.accelerator.Graph (PyTorch 2.12 and later) "
+               "guarded by torch.accelerator.is_available()")
+
+
 class Hazard(NamedTuple):
     prefix: str
     what: str
@@ -36,11 +41,9 @@ UNCONVERTIBLE: tuple[Hazard, ...] = (
     Hazard("torch.utils.cpp_extension", "custom C++/CUDA extension",
            "build the extension per device or provide a pure-PyTorch fallback"),
     Hazard(f"{_CUDA}.nvtx", "NVTX range", "use torch.profiler.record_function(name), which works on every device"),
-    Hazard(f"{_CUDA}.graph", "CUDA graph capture",
-           "use torch.compile(mode='reduce-overhead'), or guard the capture with a device check"),
-    Hazard(f"{_CUDA}.CUDAGraph", "CUDA graph", "use torch.compile(mode='reduce-overhead'), or guard with a device check"),
-    Hazard(f"{_CUDA}.make_graphed_callables", "CUDA graph capture",
-           "use torch.compile(mode='reduce-overhead'), or guard with a device check"),
+    Hazard(f"{_CUDA}.graph", "CUDA graph capture", _GRAPH_HINT),
+    Hazard(f"{_CUDA}.CUDAGraph", "CUDA graph", _GRAPH_HINT),
+    Hazard(f"{_CUDA}.make_graphed_callables", "CUDA graph capture", _GRAPH_HINT),
 )
 
 #: attributes of the CUDA module that a rule rewrites, and whether the rule needs them called
@@ -48,7 +51,8 @@ HANDLED: dict[str, bool] = {
     "is_available": False, "device_count": False, "current_device": False, "set_device": False,
     "synchronize": False, "current_stream": False, "stream": False, "get_device_name": False,
     "memory_allocated": True, "max_memory_allocated": True, "memory_reserved": True, "max_memory_reserved": True,
-    "reset_peak_memory_stats": True, "empty_cache": True, "manual_seed": True, "manual_seed_all": True,
+    "reset_peak_memory_stats": True, "empty_cache": True, "memory_stats": True, "reset_accumulated_memory_stats": True,
+    "reset_max_memory_allocated": True, "reset_max_memory_cached": True, "manual_seed": True, "manual_seed_all": True,
     "Event": True, "Stream": True, "amp.autocast": True, "amp.GradScaler": True,
 }
 
