@@ -109,8 +109,8 @@ def count_host_fallbacks(device: DeviceLike = None) -> list[str]:
     call site, for ``torchport run --report``.
 
     A library's fallback runs silently after one warning, so a program slowed by host round trips looks like an
-    idle device. Each operator the library would send to the CPU (:func:`~torchport.compile.op_support.device_op_support`
-    ``"host"``) gets :func:`cpu_fallback`'s kernel instead, which does the same work (copy to the CPU, run, copy
+    idle device. Each operator the library would send to the CPU
+    (:func:`~torchport.compile.op_support.device_op_support` ``"host"``) gets :func:`cpu_fallback`'s kernel instead, which does the same work (copy to the CPU, run, copy
     back) and counts every call. Nothing is registered for a device without such a fallback, or whose library is
     not loaded; operators that must stay on the device are left to the library.
 
