@@ -8,15 +8,6 @@ from torch.jit import _builtins
 import torchport.compat as compat
 
 
-@pytest.fixture
-def shim(device: torch.device):
-    if device.type == "cuda":
-        pytest.skip("on CUDA the shim has nothing to redirect")
-    compat.patch(device)
-    yield device
-    compat.unpatch()
-
-
 def scaled(x: torch.Tensor) -> torch.Tensor:
     # torch.tensor and torch.zeros_like are among the factories the shim replaces to redirect device="cuda"
     return x * torch.tensor(2.0) + torch.zeros_like(x)

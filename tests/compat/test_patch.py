@@ -15,15 +15,6 @@ from torchport.compat.redirect import Target
 from torchport.compat.report import Recorder
 
 
-@pytest.fixture
-def shim(device: torch.device):
-    if device.type == "cuda":
-        pytest.skip("on CUDA the shim has nothing to redirect")
-    compat.patch(device)
-    yield device
-    compat.unpatch()
-
-
 def _snapshot() -> dict:
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh
