@@ -202,8 +202,10 @@ def test_registry_rejects_duplicates_and_names_what_exists() -> None:
 
 
 def test_the_host_event_times_with_the_host_clock() -> None:
-    code = migrate_source("import torch\ns, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)\n").code
-    assert code.count("class HostEvent:") == 1 and "\nimport time\n" in code
+    # the module's own name "time" (a float here) does not shadow the helper's clock
+    source = "import torch\ntime = 0.0\ns, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(True)\n"
+    code = migrate_source(source).code
+    assert code.count("class HostEvent:") == 1
     namespace: dict = {}
     exec(compile(code.replace("torch.accelerator.is_available()", "False"), "<migrated>", "exec"), namespace)
     start, end = namespace["s"], namespace["e"]

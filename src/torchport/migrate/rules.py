@@ -298,7 +298,9 @@ HOST_EVENT = """class {name}:
         self.time = None
 
     def record(self, stream=None):
-        self.time = time.perf_counter()
+        import time as host_time  # here, so that a module's own name "time" cannot shadow it
+
+        self.time = host_time.perf_counter()
 
     def query(self):
         return True
@@ -330,7 +332,7 @@ def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseE
         ctx.unconverted(original, "Event(*args)", "name the arguments: torch.Event(enable_timing=...)")
         return None
     event = updated.with_changes(func=ctx.expr("{torch}.Event"), args=_tidy(args))
-    host = cst.Call(cst.Name(ctx.helper("HostEvent", HOST_EVENT, ("time",))), _tidy(args))
+    host = cst.Call(cst.Name(ctx.helper("HostEvent", HOST_EVENT)), _tidy(args))
     return cst.IfExp(test=ctx.expr("{torch}.accelerator.is_available()"), body=event, orelse=host,
                      lpar=[cst.LeftParen()], rpar=[cst.RightParen()])
 
