@@ -335,8 +335,8 @@ def main() -> None:
     if args.flce_workspace_mib is not None:
         import importlib
 
-        flce = importlib.import_module("torchport.kernels.fused_linear_cross_entropy")
-        flce.WORKSPACE_BYTES = int(args.flce_workspace_mib * 2**20)
+        passes = importlib.import_module("torchport.kernels.linear_ce_passes")
+        passes.WORKSPACE_BYTES = int(args.flce_workspace_mib * 2**20)
 
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]

@@ -48,7 +48,8 @@ from torch import nn
 from ..backends.npu import operator_limits
 from . import registry
 from .checks import capturing, check_floating, check_same_device, widen
-from .spec import OpSpec, randn, targets
+from ._autograd import vjp
+from .spec import CustomOp, OpSpec, randn, targets
 
 __all__ = ["REDUCTIONS", "CrossEntropyLoss", "check_targets", "cross_entropy", "mark_bad_targets", "per_row_losses"]
 
@@ -275,6 +276,58 @@ class CrossEntropyLoss(nn.Module):
                 f"loss_dtype={self.loss_dtype}")
 
 
+# -- torch.ops.torchport.cross_entropy (kernels/library.py) -----------------------------------------------------------
+def check_reduction(op: str, reduction: str) -> None:
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"torchport::{op}: reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
+
+
+def loss_dtype_of(x: torch.Tensor) -> torch.dtype:
+    """The custom ops' loss dtype: float32, float64 for float64 inputs."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _op_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                reduction: str, z_loss: float = 0.0) -> torch.Tensor:
+    """Per-row losses in the logits' dtype, summed in float32: one rounding per row, none of the sum."""
+    check_reduction("cross_entropy", reduction)
+    rows = cross_entropy(logits, target, ignore_index, label_smoothing, "none", z_loss=z_loss).to(
+        loss_dtype_of(logits))
+    if reduction == "none":
+        return rows
+    total = rows.sum()
+    if reduction == "mean":
+        total = total / (target != ignore_index).sum().clamp_min(1)
+    return total
+
+
+def _op_fake(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+             reduction: str, z_loss: float = 0.0) -> torch.Tensor:
+    check_reduction("cross_entropy", reduction)
+    return logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(logits))
+
+
+def _op_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], logits: torch.Tensor,
+                 target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str,
+                 z_loss: float = 0.0) -> tuple[torch.Tensor | None, None]:
+    """The summed loss differentiated with an upstream gradient of exactly 1, the result scaled in float32 after
+    (by the upstream gradient, divided by the kept rows for a mean): a bfloat16 kernel never sees a rounded
+    1/num_items."""
+    if not needs[0]:
+        return None, None
+    (grad,) = grads
+    ones = torch.ones((), dtype=logits.dtype, device=logits.device)
+    (dlogits,) = vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum", z_loss=z_loss),
+                     (logits,), (ones,))
+    if reduction == "none":
+        scale = grad.unsqueeze(-1)
+    elif reduction == "mean":
+        scale = grad / (target != ignore_index).sum().clamp_min(1)
+    else:
+        scale = grad
+    return dlogits.mul_(scale), None  # in float32 (opmath), rounded once to the logits' dtype
+
+
 def _inputs(gen: torch.Generator | None, rows: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return randn(gen, (rows, vocab), 2.0), targets(gen, rows, vocab)
 
@@ -288,7 +341,8 @@ SPEC = registry.register_op(OpSpec(
     # fwd: read the logits once; bwd: write their gradient (the loss is a scalar). torchport's kernel computes the
     # gradient in the forward, reading each row a second time (from L2 when it fits)
     bytes_moved=lambda logits, target: 2 * logits.numel() * logits.element_size(),
-    custom_op="(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
-              "float z_loss=0.0) -> Tensor",
+    custom_op=CustomOp("(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
+                       "float z_loss=0.0) -> Tensor", like=None, fake=_op_fake, forward=_op_forward,
+                       backward=_op_backward),
     in_place=True,
 ))

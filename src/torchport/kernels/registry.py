@@ -28,6 +28,7 @@ import importlib
 import importlib.util
 import logging
 import pkgutil
+import sys
 import threading
 import warnings
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -171,7 +172,11 @@ def register_op(spec: OpSpec) -> OpSpec:
     Example:
         >>> SPEC = register_op(OpSpec("my_op", "MyOp", "computes ...", ("my_op",), ...))
     """
-    return _specs.register(spec.name, spec)
+    registered = _specs.register(spec.name, spec)
+    library = sys.modules.get(f"{__package__}.library")
+    if library is not None:  # an op registered after the custom ops were: its own now, not inside a compiled call
+        library.ensure(spec)
+    return registered
 
 
 def list_specs() -> dict[str, OpSpec]:

@@ -19,7 +19,7 @@ from torch import nn
 from ..backends.npu import device_chip, operator_limits
 from . import registry
 from .checks import check_floating, check_same_device, check_same_dtype, widen
-from .spec import OpSpec, randn, rope_tables
+from .spec import CustomOp, OpSpec, randn, rope_tables
 
 __all__ = ["RoPE", "rope"]
 
@@ -153,6 +153,39 @@ class RoPE(nn.Module):
         return rope(q, k, cos, sin)
 
 
+# -- torch.ops.torchport.rope's backward (kernels/library.py) ------------------------------------------------------
+def _table_grad(parts: tuple[torch.Tensor, ...], table: torch.Tensor) -> torch.Tensor:
+    """Sum of ``[B, H, S, D]`` products over heads, and over the batch where ``table`` broadcasts it."""
+    total = sum(p.sum(1) for p in parts)
+    if table.dim() == 2:
+        total = total.sum(0)
+    elif table.shape[0] == 1 and total.shape[0] != 1:
+        total = total.sum(0, keepdim=True)
+    return total.to(table.dtype)
+
+
+def _backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], q: torch.Tensor | None,
+              k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    """The rope kernel itself, once: ``out = x·cos + rotate_half(x)·sin`` is linear in x, and its transpose is the
+    same rotation by ``sin' = -(sin's halves exchanged)``: ``g1 = d1·c1 + d2·s2, g2 = d2·c2 - d1·s1``. cos and sin
+    get their (rarely wanted) gradients in plain PyTorch, from q and k, which are saved only then."""
+    dq, dk = grads
+    half = sin.shape[-1] // 2
+    sin_t = -torch.cat((sin[..., half:], sin[..., :half]), dim=-1)
+    gq, gk = rope(dq.detach(), dk.detach(), cos.detach(), sin_t.detach())
+    dcos = dsin = None
+    if (needs[2] or needs[3]) and q is not None and k is not None:
+        dq32, dk32, q32, k32 = widen(dq), widen(dk), widen(q), widen(k)
+        dcos = _table_grad((dq32 * q32, dk32 * k32), cos)
+        dsin = _table_grad((dq32 * _rotate_half(q32), dk32 * _rotate_half(k32)), sin)
+    return gq, gk, dcos, dsin
+
+
+def _saved(needs: tuple[bool, ...]) -> tuple[bool, ...]:
+    tables = needs[2] or needs[3]  # q and k only for the gradient of cos and sin
+    return tables, tables, True, True
+
+
 def _inputs(gen: torch.Generator | None, batch: int, q_heads: int, kv_heads: int, seq: int,
             head_dim: int) -> tuple[torch.Tensor, ...]:
     q, k = randn(gen, (batch, q_heads, seq, head_dim)), randn(gen, (batch, kv_heads, seq, head_dim))
@@ -170,5 +203,6 @@ SPEC = registry.register_op(OpSpec(
     sizes={"test": (2, 3, 1, 7, 16), "smoke": (2, 4, 2, 64, 32), "small": (1, 8, 2, 256, 64),
            "medium": (2, 32, 8, 1024, 128), "large": (4, 32, 8, 4096, 128), "benchmark": (4, 32, 8, 2048, 128)},
     make=_inputs, call=rope, differentiable=2, bytes_moved=_bytes,
-    custom_op="(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)",
+    custom_op=CustomOp("(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)", like=(0, 1),
+                       backward=_backward, saved=_saved),
 ))

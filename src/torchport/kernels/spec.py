@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SIZES", "TOLERANCE", "OpSpec", "randn", "rope_tables", "targets"]
+__all__ = ["SIZES", "TOLERANCE", "CustomOp", "OpSpec", "randn", "rope_tables", "targets"]
 
 #: The sizes every spec names: ``test`` (small and irregular, for the tests), ``smoke`` (``bench_kernels.py
 #: --small``, seconds on a CPU), ``small``/``medium``/``large`` (the dashboard) and ``benchmark`` (the shapes of
@@ -30,6 +30,42 @@ SIZES = ("test", "smoke", "small", "medium", "large", "benchmark")
 #: Largest relative error ``||out - ref|| / ||ref||`` against a float64 reference, per dtype of the inputs. bf16
 #: keeps 8 bits (one rounding of the output costs up to 2^-9 = 2e-3 per element), fp16 11 bits (2^-12 = 2.4e-4).
 TOLERANCE: Mapping[torch.dtype, float] = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+@dataclasses.dataclass(frozen=True)
+class CustomOp:
+    """``torch.ops.torchport.<name>`` and its backward ``torch.ops.torchport.<name>_backward``, which
+    :mod:`torchport.kernels.library` registers from this description: an op that follows the defaults declares its
+    schema alone.
+
+    Attributes:
+        schema: the forward's schema, ``"(Tensor x, Tensor weight, float eps, float offset) -> Tensor"``. Its
+            ``Tensor`` arguments are the ones a backward can differentiate.
+        like: for each output, the argument whose shape, dtype and layout it has (``torch.empty_like`` of it): the
+            fake implementation, and the layout the real outputs are given. None when :attr:`fake` says.
+        fake: ``(*args) -> outputs`` of the right shapes and dtypes (``new_empty``), for outputs no argument has
+            the shape of; only with ``like=None``.
+        forward: ``(*args) -> outputs`` on detached tensors, when the spec's ``call`` is not what the op computes
+            (the losses reduce in float32); default ``call``.
+        backward: ``(grads, needs, *args) -> gradients``: one entry per ``Tensor`` argument (None where ``needs``
+            is False or the argument is None), from one upstream gradient per output. Default: *recompute*, the
+            forward run again on the saved inputs with autograd, through the kernel's own backward.
+        saved: ``(needs) -> keep``: for each ``Tensor`` argument, whether the backward needs it, given which
+            arguments need a gradient; the others reach the backward as None (and its schema declares every tensor
+            argument optional). Default: all are kept.
+    """
+
+    schema: str
+    like: tuple[int, ...] | None = (0,)
+    fake: Callable[..., Any] | None = None
+    forward: Callable[..., Any] | None = None
+    backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = None
+    saved: Callable[[tuple[bool, ...]], tuple[bool, ...]] | None = None
+
+    def __post_init__(self) -> None:
+        if (self.like is None) == (self.fake is None):
+            raise ValueError(f"custom op {self.schema!r}: give exactly one of like= (the arguments the outputs "
+                             "look like) and fake= (a function making them)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,8 +88,9 @@ class OpSpec:
             left out): the roofline numerator of the benchmarks.
         flops: ``(*args) -> int`` for ops bounded by arithmetic (matmuls), else None.
         tolerance: the largest relative error against a float64 reference, per dtype (default :data:`TOLERANCE`).
-        custom_op: the schema of ``torch.ops.torchport.<name>`` (:mod:`torchport.kernels.library`), None when the
-            op has no custom op for compiled graphs.
+        custom_op: ``torch.ops.torchport.<name>`` for compiled graphs (:mod:`torchport.kernels.library`), None
+            when the op has none: its :class:`CustomOp`, or its forward's schema alone when the defaults fit (the
+            outputs look like the first argument, the backward recomputes).
         in_place: the op takes ``in_place=True`` (gradients written over its inputs), called as
             ``call(*args, in_place=True)``.
     """
@@ -70,13 +107,15 @@ class OpSpec:
     bytes_moved: Callable[..., int]
     flops: Callable[..., int] | None = None
     tolerance: Mapping[torch.dtype, float] = dataclasses.field(default_factory=lambda: dict(TOLERANCE))
-    custom_op: str | None = None
+    custom_op: CustomOp | str | None = None
     in_place: bool = False
 
     def __post_init__(self) -> None:
         missing = [size for size in SIZES if size not in self.sizes]
         if missing:
             raise ValueError(f"op spec {self.name!r} has no size {', '.join(missing)}; every spec names {SIZES}")
+        if isinstance(self.custom_op, str):
+            object.__setattr__(self, "custom_op", CustomOp(self.custom_op))
 
     def inputs(self, size: str, generator: torch.Generator | None = None) -> tuple[Any, ...]:
         """Host arguments of ``size`` (one of :data:`SIZES`), float32 where floating.

@@ -1,0 +1,438 @@
+"""The two passes of :func:`torchport.kernels.fused_linear_cross_entropy`: the LM head's matmul and its
+cross-entropy in blocks of at most a *workspace* of logits (:func:`workspace_bytes`: 48 MiB, or 3/4 of the hidden
+states' size when that is more), with the per-slice element-wise steps in Triton or in PyTorch.
+
+Both passes run in the forward (the backward only multiplies by the upstream gradient):
+
+1. **Token blocks** (``Blocks.tokens`` rows, vocabulary slices of ``Blocks.vocab`` columns). For each slice the
+   block's logits ``h_t @ W_s.T``, then one kernel folds them into each row's running maximum ``m``, sum
+   ``d = Σ exp(logit − m)``, target logit and logit sum (an online softmax), and overwrites them with
+   ``p = exp(logit − m)``; then ``O += p @ W_s`` into a float32 ``[tokens, H]`` accumulator. When a slice raises
+   a row's maximum by more than ``RESCALE_MARGIN`` (the maximum moves only then, so ``p`` stays below e⁸), the
+   row of ``O`` and ``d`` are rescaled first (as FlashAttention's output; a row whose maximum stays put is not
+   touched). At the block's end ``softmax @ W = O / d``, so ``grad_hidden = scale · ((1 + 2z·lse)·O/d −
+   (1−ε)·W[target] − ε/V·Σ_v W_v)``, rounded once into the hidden's dtype; and each row's ``lse = m + log d``
+   gives its loss.
+2. **Vocabulary slices** (``Blocks.grad_vocab`` columns, all N tokens). For each slice the logits again,
+   overwritten by their gradient (``lse`` known now), then ``grad_weight[slice] = dlogits.T @ hidden`` written
+   once, straight into the weight's dtype: no accumulator, no read-modify-write of a V x H buffer.
+
+Cost: four matmuls of 2·N·H·V FLOPs (logits twice, ``O``, ``grad_weight``) against three for the unfused op;
+every one is large (8192 x 4096 x 128256: blocks of 1024 x 16064 and slices of 8192 x 3072), so they run near the
+matmul peak, and the only other traffic is two reads and writes of each logit by the kernels. The alternatives
+cost more (counted in ``benchmarks/KERNELS_NOTES.md``): token chunks holding whole rows of logits (three matmuls)
+must accumulate ``grad_weight`` over every chunk, which at 62 MiB of logits (256 tokens) means 32 read-modify-
+writes of a V x H buffer (22 ms of traffic at 8192 x 4096 -> 128256 in bf16); in bf16 (liger-kernel's default)
+its error grows with the number of chunks (2.2x the unfused op's error at 32 chunks, 3.2x at 64, emulated on the
+CPU), in float32 the buffer is 2 GiB more.
+Here each gradient is rounded once, as the unfused op's: ``grad_weight`` from one float32-accumulated matmul,
+``grad_hidden`` from the float32 ``O``. A frozen head (``weight`` without gradient) skips pass 2: two matmuls.
+
+Memory beyond the outputs (N·H and V·H for the gradients): pass 1 holds ``O`` (float32, ``Blocks.tokens`` x H,
+16 MiB) and one block of logits, pass 2 one slice of all N rows, both within the workspace. Soft-capping with
+label smoothing needs a second accumulator (the smoothing term's slope varies per logit).
+
+``reduction="none"``: the per-row upstream gradient must weight each row before rows are summed into
+``grad_weight``, so pass 2 runs in the backward (``grad_hidden`` from pass 1 is scaled row by row there).
+
+Example:
+    >>> loss = two_pass(hidden, weight, target, None, -100, 0.0, "mean", None, None, 0.0, None, None, TORCH_MATH)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+
+__all__ = ["RESCALE_MARGIN", "TORCH_MATH", "WORKSPACE_BYTES", "Blocks", "SliceMath", "blocks", "triton_math",
+           "two_pass", "workspace_bytes"]
+
+WORKSPACE_BYTES = 48 * 2**20  # the least workspace; liger-kernel's chunk of logits is 62.6 MiB at 8192 x 4096 -> 128256
+RESCALE_MARGIN = 8.0  # a row's running maximum moves when a slice exceeds it by more than this (p <= e^8 ~ 2981)
+# Rows x hidden of the pass-1 accumulator: 16 MiB of float32. The matmul accumulating into it then has about 128
+# output tiles of 128 x 256, one wave on a 132-multiprocessor H100, whatever the hidden size.
+_ACCUMULATOR_ELEMENTS = 4 * 2**20
+_ALIGN = 64  # block and slice sizes are multiples of this (aligned rows for the matmuls)
+
+
+@dataclasses.dataclass(frozen=True)
+class Blocks:
+    """How the two passes cut the work: ``tokens`` x ``vocab`` logits per step of pass 1, N x ``grad_vocab`` per step
+    of pass 2."""
+
+    tokens: int
+    vocab: int
+    grad_vocab: int
+
+
+def workspace_bytes(n: int, hidden: int, element_size: int) -> int:
+    """Bytes the op may hold beyond its outputs for ``n`` tokens of ``hidden`` values of ``element_size`` bytes."""
+    return max(WORKSPACE_BYTES, 3 * n * hidden * element_size // 4)
+
+
+def _balanced(total: int, most: int) -> int:
+    """The size of near-equal parts of ``total`` of at most ``most`` each, a multiple of ``_ALIGN`` where it can be."""
+    most = max(1, most)
+    if total <= most:
+        return max(total, 1)
+    parts = -(-total // most)
+    size = -(-total // parts)
+    aligned = -(-size // _ALIGN) * _ALIGN
+    return aligned if aligned <= most else max(size, most // _ALIGN * _ALIGN)
+
+
+def blocks(n: int, hidden: int, vocab: int, element_size: int, accumulators: int = 1) -> Blocks:
+    """The block sizes for ``n`` tokens, ``hidden`` -> ``vocab``, with ``accumulators`` float32 ``[tokens, hidden]``
+    buffers in pass 1 (0 without ``grad_hidden``, 2 for soft-capping with label smoothing).
+
+    Example:
+        >>> blocks(8192, 4096, 128256, 2)
+        Blocks(tokens=1024, vocab=16064, grad_vocab=3072)
+    """
+    budget = workspace_bytes(n, hidden, element_size)
+    tokens = _balanced(n, max(_ALIGN, _ACCUMULATOR_ELEMENTS // max(hidden, 1)))
+    while tokens > _ALIGN and accumulators * tokens * hidden * 4 > budget // 2:
+        tokens = _balanced(n, tokens // 2)
+    left = budget - accumulators * tokens * hidden * 4
+    per_column = tokens * element_size * (2 if accumulators > 1 else 1)  # the slopes' buffer with 2
+    return Blocks(tokens, _balanced(vocab, left // per_column), _balanced(vocab, budget // max(n * element_size, 1)))
+
+
+class SliceMath(NamedTuple):
+    """The per-slice element-wise steps, in Triton or in PyTorch (signatures of the Triton module's functions);
+    ``scale_rows(t, factor)``: ``t[i] *= factor[i]``, for the accumulator's rescaling (Triton's skips rows whose
+    factor is exactly 1, which most rows' is)."""
+
+    stats: Callable[..., None]
+    grad: Callable[..., None]
+    scale_rows: Callable[[torch.Tensor, torch.Tensor], None]
+
+
+def _row_chunks(x: torch.Tensor, copies: int) -> range:
+    """Row starts for the PyTorch steps, so that ``copies`` float32 temporaries of a chunk of ``x`` stay within half
+    of ``x``'s own bytes (on an NPU the workspace is device memory too)."""
+    rows, width = x.shape
+    step = max(1, x.element_size() * rows // (2 * 4 * copies))
+    return range(0, rows, step)
+
+
+def _stats_torch(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
+                 alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
+                 slope_out: torch.Tensor | None) -> None:
+    chunks = _row_chunks(x, 1 if softcap is None else 2)
+    for r in chunks:
+        sl = slice(r, r + chunks.step)
+        _stats_rows(x[sl], target[sl], v0, tuple(v[sl] for v in state), alpha[sl], ignore_index, softcap, margin,
+                    want_p, None if slope_out is None else slope_out[sl])
+
+
+def _stats_rows(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
+                alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
+                slope_out: torch.Tensor | None) -> None:
+    m, d, x_t, total = state
+    width = x.shape[1]
+    y = x.to(m.dtype, copy=True)
+    if softcap is not None:
+        y.div_(softcap).tanh_().mul_(softcap)
+    valid = target != ignore_index
+    top = y.amax(1) if width else torch.full_like(m, -math.inf)
+    m_new = torch.where(valid & (top > m + margin), top, m)
+    alpha.copy_(torch.where(m == -math.inf, torch.ones_like(m), torch.exp(m - m_new)))
+    local = target - v0
+    inside = valid & (local >= 0) & (local < width)
+    if width:
+        x_t.copy_(torch.where(inside, y.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1), x_t))
+    total.add_(torch.where(valid, y.sum(1), torch.zeros_like(total)))
+    slope = None
+    if softcap is not None:
+        slope = torch.square(y / softcap).neg_().add_(1.0).masked_fill_(~valid.unsqueeze(1), 0.0)
+    # in place: exp(y - m); an ignored row's maximum is -inf, so its values are inf until masked
+    e = y.sub_(m_new.unsqueeze(1)).exp_().masked_fill_(~valid.unsqueeze(1), 0.0)
+    d.copy_(torch.where(valid, d * alpha + e.sum(1), d))
+    m.copy_(m_new)
+    if want_p:
+        x.copy_(e if slope is None else e.mul_(slope))
+    if slope_out is not None:
+        slope_out.copy_(slope)
+
+
+def _grad_torch(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
+                label_smoothing: float, z_loss: float, softcap: float | None) -> None:
+    chunks = _row_chunks(x, 1 if softcap is None else 2)
+    for r in chunks:
+        sl = slice(r, r + chunks.step)
+        _grad_rows(x[sl], target[sl], v0, vocab, lse[sl], scale[sl], label_smoothing, z_loss, softcap)
+
+
+def _grad_rows(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
+               label_smoothing: float, z_loss: float, softcap: float | None) -> None:
+    width = x.shape[1]
+    g = x.to(lse.dtype, copy=True)
+    slope = None
+    if softcap is not None:
+        g.div_(softcap).tanh_()
+        slope = torch.square(g).neg_().add_(1.0)
+        g.mul_(softcap)
+    g.sub_(lse.unsqueeze(1)).exp_()
+    if z_loss:
+        g.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
+    if label_smoothing:
+        g.sub_(label_smoothing / vocab)
+    local = target - v0
+    inside = (local >= 0) & (local < width)
+    if width:
+        g.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1),
+                       torch.where(inside, label_smoothing - 1.0, 0.0).to(g.dtype).unsqueeze(1))
+    if slope is not None:
+        g.mul_(slope)
+    # masked, not only multiplied: rows with scale 0 (ignored targets) are 0 even where their exp() overflowed
+    g.mul_(scale.unsqueeze(1)).masked_fill_((scale == 0).unsqueeze(1), 0.0)
+    x.copy_(g)
+
+
+def _scale_rows_torch(t: torch.Tensor, factor: torch.Tensor) -> None:
+    t.mul_(factor.unsqueeze(1))
+
+
+TORCH_MATH = SliceMath(_stats_torch, _grad_torch, _scale_rows_torch)
+
+
+def triton_math() -> SliceMath:
+    from .triton import cross_entropy as kernel
+
+    return SliceMath(kernel.slice_stats, kernel.slice_grad, kernel.scale_rows)
+
+
+def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` in float32: straight into it where the device's matmul can write float32 from
+    16-bit inputs (CUDA), else through a product rounded once to the inputs' dtype (the CPU in torch 2.13)."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+        return
+    if _OUT_DTYPE_WORKS.get(acc.device.type, True):
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE_WORKS[acc.device.type] = False
+    acc.add_(a @ b)
+
+
+_OUT_DTYPE_WORKS: dict[str, bool] = {}  # device type -> whether addmm(out_dtype=float32) runs there
+
+
+def _logits(h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, v0: int, v1: int,
+            buffer: torch.Tensor) -> torch.Tensor:
+    """``h @ weight[v0:v1].T (+ bias)`` written into the front of ``buffer`` (no allocation in the loops)."""
+    out = buffer[: h.shape[0] * (v1 - v0)].view(h.shape[0], v1 - v0)
+    if bias is None:
+        torch.mm(h, weight[v0:v1].t(), out=out)
+    else:
+        torch.addmm(bias[v0:v1], h, weight[v0:v1].t(), out=out)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Options:
+    ignore_index: int
+    label_smoothing: float
+    z_loss: float
+    softcap: float | None
+    reduction: str
+    # the reduction's factor: 1/num_items_in_batch or 1, or for a mean 1/n_valid as a 0-dim tensor on the device
+    # (counting the kept rows on the host would synchronise)
+    scale: float | torch.Tensor
+    loss_dtype: torch.dtype | None
+
+
+def _accumulator(t: torch.Tensor) -> torch.dtype:
+    return torch.float64 if t.dtype == torch.float64 else torch.float32
+
+
+def _pass_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                 valid: torch.Tensor, opts: _Options, math_: SliceMath, h_scale: torch.Tensor | None
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Pass 1: per-row log-sum-exp and loss, and ``grad_hidden`` scaled row by row by ``h_scale`` (None: not
+    wanted)."""
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    acc = _accumulator(hidden)
+    eps, softcap = opts.label_smoothing, opts.softcap
+    want_h = h_scale is not None
+    two = want_h and bool(eps) and softcap is not None  # the smoothing term's own accumulator
+    plan = blocks(n, hidden_size, vocab, hidden.element_size(), accumulators=(2 if two else 1) if want_h else 0)
+    m = torch.full((n,), -math.inf, dtype=acc, device=hidden.device)
+    d, x_t, total = (torch.zeros(n, dtype=acc, device=hidden.device) for _ in range(3))
+    grad_h = torch.zeros_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    buffer = torch.empty(plan.tokens * plan.vocab, dtype=hidden.dtype, device=hidden.device)
+    slopes = torch.empty_like(buffer) if two else None
+    alpha = torch.empty(plan.tokens, dtype=acc, device=hidden.device)
+    out_acc = torch.empty(plan.tokens, hidden_size, dtype=acc, device=hidden.device) if want_h else None
+    smooth_acc = torch.empty_like(out_acc) if two else None
+    colsum = weight.sum(0, dtype=acc) if want_h and eps and softcap is None else None
+    # Every block runs, even one whose targets are all ignored (its rows get loss 0 and gradient 0): skipping it
+    # would need the mask on the host, a synchronisation per call.
+    for a in range(0, n, plan.tokens):
+        b = min(n, a + plan.tokens)
+        h, t = hidden[a:b], target[a:b]
+        state = (m[a:b], d[a:b], x_t[a:b], total[a:b])
+        o = s = None
+        if want_h:
+            o = out_acc[: b - a].zero_()
+            s = smooth_acc[: b - a].zero_() if two else None
+        for v0 in range(0, vocab, plan.vocab):
+            v1 = min(vocab, v0 + plan.vocab)
+            x = _logits(h, weight, bias, v0, v1, buffer)
+            g = slopes[: x.numel()].view(x.shape) if two else None
+            math_.stats(x, t, v0, state, alpha[: b - a], opts.ignore_index, softcap, RESCALE_MARGIN, want_h, g)
+            if want_h:
+                math_.scale_rows(o, alpha[: b - a])
+                _add_product(o, x, weight[v0:v1])
+                if two:
+                    _add_product(s, g, weight[v0:v1])
+        if want_h:
+            _finish_grad_hidden(o, s, colsum, weight, t, valid[a:b], state, h_scale[a:b], opts, buffer,
+                                grad_h[a:b])
+    lse = torch.where(valid, m + torch.log(d), torch.zeros_like(m))
+    rows = lse - (1.0 - eps) * x_t - (eps / vocab) * total
+    if opts.z_loss:
+        rows = rows + opts.z_loss * lse * lse
+    rows = torch.where(valid, rows, torch.zeros_like(rows))
+    return lse, rows, grad_h
+
+
+def _finish_grad_hidden(o: torch.Tensor, s: torch.Tensor | None, colsum: torch.Tensor | None, weight: torch.Tensor,
+                        target: torch.Tensor, valid: torch.Tensor, state: tuple[torch.Tensor, ...],
+                        scale: torch.Tensor, opts: _Options, buffer: torch.Tensor, out: torch.Tensor) -> None:
+    """``out = scale · ((1 + 2z·lse)·O/d − (1−ε)·slope_t·W[target] − ε/V·S)``, ``S`` the smoothing accumulator or
+    the column sums of W, rounded once into ``out``."""
+    m, d, x_t, _ = state
+    eps, softcap = opts.label_smoothing, opts.softcap
+    safe_d = torch.where(valid, d, torch.ones_like(d))
+    lse = torch.where(valid, m + torch.log(safe_d), torch.zeros_like(m))
+    scale = torch.where(valid, scale, torch.zeros_like(scale))
+    o.mul_((scale * (1.0 + 2.0 * opts.z_loss * lse) / safe_d).unsqueeze(1))
+    target_coef = scale * (1.0 - eps)
+    if softcap is not None:
+        target_coef = target_coef * (1.0 - (x_t / softcap) ** 2)
+    safe_t = torch.where(valid, target, torch.zeros_like(target))
+    rows, hidden_size = o.shape
+    step = max(1, min(rows, buffer.numel() // max(hidden_size, 1)))
+    for r in range(0, rows, step):  # W[target] gathered into the free logits buffer, a few rows at a time
+        w_rows = buffer[: min(step, rows - r) * hidden_size].view(-1, hidden_size)
+        torch.index_select(weight, 0, safe_t[r:r + step], out=w_rows)
+        o[r:r + step].addcmul_(w_rows, target_coef[r:r + step].unsqueeze(1), value=-1.0)
+    if eps:
+        smoothing = scale * (-eps / weight.shape[0])
+        if s is not None:
+            o.add_(s.mul_(smoothing.unsqueeze(1)))
+        else:
+            o.addr_(smoothing, colsum)
+    out.copy_(o)
+
+
+def _pass_vocab(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+                lse: torch.Tensor, row_scale: torch.Tensor, opts: _Options, math_: SliceMath, want_w: bool,
+                want_b: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Pass 2: ``grad_weight`` (in the weight's dtype) and ``grad_bias`` (in float32) of ``Σ row_scale · loss_row``,
+    one vocabulary slice at a time."""
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    plan = blocks(n, hidden_size, vocab, hidden.element_size())
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
+    grad_b = torch.empty(vocab, dtype=_accumulator(hidden), device=hidden.device) if want_b else None
+    buffer = torch.empty(n * plan.grad_vocab, dtype=hidden.dtype, device=hidden.device)
+    for v0 in range(0, vocab, plan.grad_vocab):
+        v1 = min(vocab, v0 + plan.grad_vocab)
+        x = _logits(hidden, weight, bias, v0, v1, buffer)
+        math_.grad(x, target, v0, vocab, lse, row_scale, opts.label_smoothing, opts.z_loss, opts.softcap)
+        if want_w:
+            torch.mm(x.t(), hidden, out=grad_w[v0:v1])
+        if want_b:
+            torch.sum(x, 0, dtype=grad_b.dtype, out=grad_b[v0:v1])
+    return grad_w, grad_b
+
+
+class _TwoPassFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                target: torch.Tensor, opts: _Options, math_: SliceMath) -> torch.Tensor:
+        want_h, want_w, want_b = ctx.needs_input_grad[:3]
+        want_b = want_b and bias is not None
+        valid = target != opts.ignore_index
+        acc = _accumulator(hidden)
+        per_row = opts.reduction == "none"
+        # "none": unit scale now, each row's upstream gradient in the backward
+        row_scale = valid.to(acc) * (1.0 if per_row else opts.scale)
+        lse, rows, grad_h = _pass_tokens(hidden, weight, bias, target, valid, opts, math_,
+                                         row_scale if want_h else None)
+        grad_w = grad_b = None
+        if not per_row and (want_w or want_b):
+            grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w, want_b)
+        ctx.opts, ctx.math = opts, math_
+        ctx.wanted = (want_h, want_w, want_b)
+        ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
+        ctx.used = False
+        loss_dtype = opts.loss_dtype or hidden.dtype
+        if per_row:
+            ctx.save_for_backward(hidden, weight, bias, target, lse, grad_h)
+            return rows.to(loss_dtype)
+        ctx.save_for_backward(grad_h, grad_w, None if grad_b is None else grad_b.to(bias.dtype))
+        return (rows.sum() * opts.scale).to(loss_dtype)
+
+    @staticmethod
+    def backward(ctx: Any, dloss: torch.Tensor) -> tuple[Any, ...]:
+        if ctx.used:
+            raise RuntimeError(
+                "fused_linear_cross_entropy: the gradients are computed in the forward and handed over by the first "
+                "backward; a second backward through the same loss (retain_graph=True) is not supported"
+            )
+        ctx.used = True
+        opts, math_ = ctx.opts, ctx.math
+        want_h, want_w, want_b = ctx.wanted
+        if opts.reduction == "none":
+            hidden, weight, bias, target, lse, grad_h = ctx.saved_tensors
+            factor = dloss.reshape(-1).to(lse.dtype)
+            if grad_h is not None:
+                grad_h.mul_(factor.unsqueeze(1))
+            grad_w = grad_b = None
+            if want_w or want_b:
+                row_scale = torch.where(target != opts.ignore_index, factor, torch.zeros_like(factor))
+                grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w,
+                                             want_b)
+                grad_b = None if grad_b is None else grad_b.to(ctx.dtypes[1])
+        else:
+            grad_h, grad_w, grad_b = ctx.saved_tensors
+            # One host read of the upstream gradient: loss.backward() gives exactly 1, and then the gradients
+            # (1 GiB of grad_weight for 4096 x 128256 bf16) are handed over without a pass over them.
+            factor = float(dloss)
+            if factor != 1.0:
+                for g in (grad_h, grad_w, grad_b):
+                    if g is not None:
+                        g.mul_(factor)  # a Python float: multiplied in float32, rounded once
+        # New views of our own buffers: autograd hands them on without copying.
+        return (None if grad_h is None else grad_h.view(grad_h.shape),
+                None if grad_w is None else grad_w.view(grad_w.shape),
+                None if grad_b is None else grad_b.view(grad_b.shape),
+                None, None, None)
+
+
+def two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
+              ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
+              z_loss: float, softcap: float | None, loss_dtype: torch.dtype | None,
+              math_: SliceMath) -> torch.Tensor:
+    if divisor is not None:
+        scale: float | torch.Tensor = 1.0 / divisor
+    elif reduction != "mean":
+        scale = 1.0
+    elif n_valid is not None:
+        scale = 1.0 / max(n_valid, 1)
+    else:
+        kept = (target != ignore_index).sum().clamp_min(1)
+        scale = 1.0 / kept.to(_accumulator(hidden))
+    opts = _Options(ignore_index, label_smoothing, z_loss, softcap, reduction, scale, loss_dtype)
+    return _TwoPassFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)
