@@ -6,7 +6,9 @@ embedding stays bf16. For each contender:
 
 * **decode**: batch 1, greedy, one CUDA graph per token step (the step writes its token and advances its position
   inside the graph, so replays need no host work): tokens/s over ``--decode-tokens`` replays;
-* **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5;
+* **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5; for torchport's formats twice:
+  in the default mode (each layer dequantises its weight per call and drops it: weight memory unchanged), and with
+  ``QuantizedLinear.cache_dequantized`` (the dense weight kept after the first call: its extra memory is reported);
 * **weight memory**: device bytes held by the model (``memory_allocated`` before and after building it), and the
   bytes of the linear layers alone;
 * **accuracy**: logits of a 256-token prompt against the bf16 model's: relative error (Frobenius) and the mean
@@ -249,6 +251,25 @@ def measure_prefill(model: Llama, device: torch.device, tokens: int) -> float:
     return tokens / statistics.median(times)
 
 
+def measure_cached_prefill(model: Llama, device: torch.device, tokens: int) -> dict[str, float]:
+    """Prefill tokens/s with every quantised layer keeping its dequantised weight, and the memory those copies
+    take; the copies are dropped afterwards."""
+    import torchport.quant as quant
+
+    layers = [m for m in model.modules() if isinstance(m, quant.QuantizedLinear)]
+    before = _allocated(device)
+    for layer in layers:
+        layer.cache_dequantized = True
+    try:
+        tok_s = measure_prefill(model, device, tokens)
+        extra = _allocated(device) - before
+    finally:
+        for layer in layers:
+            layer.cache_dequantized = False
+            layer._cache.pop("dense", None)
+    return {"prefill_cached_tok_s": tok_s, "prefill_cache_bytes": extra}
+
+
 def _long_caches(model: Llama, device: torch.device, tokens: int) -> list:
     c = model.config
     shape = (1, c["kv_heads"], tokens, c["hidden"] // c["heads"])
@@ -333,7 +354,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     shape = SHAPES["small" if args.small else "8b"]
     contenders = ["bf16", *(f"torchport-{f}" for f in args.formats)]
     if not args.no_torchao:
-        contenders += [f"torchao-{f}" for f in TORCHAO_FORMATS if f in args.formats]
+        contenders += [f"torchao-{f}" for f in args.torchao_formats if f in args.formats]
     gc.collect()
     before = _allocated(device)
     base = build(shape, device)
@@ -354,6 +375,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row.update(accuracy(logits_of(model, device, prompt), reference))
             row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens)
             row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
+            if name.startswith("torchport-"):
+                row.update(measure_cached_prefill(model, device, args.prefill_tokens))
         except Exception as exc:  # one contender failing must not lose the others' figures
             row["error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
         finally:
@@ -370,12 +393,14 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         row["linear_vs_bf16"] = row["linear_bytes"] / bf16["linear_bytes"]
         row["decode_vs_bf16"] = row["decode_tok_s"] / bf16["decode_tok_s"]
         row["prefill_vs_bf16"] = row["prefill_tok_s"] / bf16["prefill_tok_s"]
+        if "prefill_cached_tok_s" in row:
+            row["prefill_cached_vs_bf16"] = row["prefill_cached_tok_s"] / bf16["prefill_tok_s"]
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     head = (f"{'contender':<18}{'decode tok/s':>13}{'x bf16':>8}{'prefill tok/s':>15}{'x bf16':>8}"
-            f"{'weights GiB':>12}{'x bf16':>8}{'linears x':>10}{'rel err':>10}{'KL':>10}")
+            f"{'weights GiB':>12}{'x bf16':>8}{'linears x':>10}{'rel err':>10}{'KL':>10}{'cached x':>9}{'+GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
@@ -386,6 +411,7 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r['prefill_tok_s']:>15.0f}{r.get('prefill_vs_bf16', math.nan):>8.2f}"
             f"{r['weight_bytes'] / 2**30:>12.2f}{r.get('weight_vs_bf16', math.nan):>8.3f}"
             f"{r.get('linear_vs_bf16', math.nan):>10.3f}{r['logits_rel_error']:>10.4f}{r['kl_divergence']:>10.2e}"
+            f"{r.get('prefill_cached_vs_bf16', math.nan):>9.2f}{r.get('prefill_cache_bytes', 0) / 2**30:>8.2f}"
         )
     return "\n".join(lines)
 
@@ -396,6 +422,7 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model, for a smoke run")
     parser.add_argument("--formats", nargs="+", default=list(TORCHPORT_FORMATS), choices=TORCHPORT_FORMATS)
     parser.add_argument("--no-torchao", action="store_true", help="leave torchao out")
+    parser.add_argument("--torchao-formats", nargs="+", default=list(TORCHAO_FORMATS), choices=TORCHAO_FORMATS)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")

@@ -1,7 +1,8 @@
 """torchport's low-bit matmul kernels on the linear layers of an 8B-shaped Llama, one layer at a time, against bf16.
 
 For each layer shape (q/o 4096x4096, k/v 1024x4096, gate/up 14336x4096, down 4096x14336, lm_head 128256x4096) and
-each format: the time of ``x @ W.T`` for 1 row (the batch-1 decode kernel) and 16 rows (the tensor-core kernel),
+each format: the time of ``x @ W.T`` for 1 row (the batch-1 decode kernel) and 2-16 rows (what the autotuner chose:
+the tensor-core kernel, the one-row kernel per row, or dequantise + dense matmul; the ``*_kernel`` field names it),
 the bytes of the stored weight over that time (GB/s: the copy bandwidth of an H100 is about 3000), the speed-up over
 the bf16 ``F.linear``, and the time of one dequantisation of the weight into bf16 (what prefill pays per layer
 before the dense matmul).
@@ -57,6 +58,12 @@ def run(rows_list: list[int]) -> list[dict]:
             row = {"n": n, "k": k, "m": m, "bf16_us": round(base * 1e3, 2), "bf16_GBs": round(n * k * 2 / base / 1e6)}
             for name, (group, t) in packed.items():
                 nbytes = sum(v.numel() * v.element_size() for v in t.values())
+                ref = torch.nn.functional.linear(x.float(), lowbit.dequantize(t, name, group, torch.float32))
+                got = lowbit.matmul(x, t, name, group, None).float()
+                row[f"{name}_rel_error"] = float((got - ref).norm() / ref.norm())
+                config = (lowbit._TUNED_GEMV if m == 1 else lowbit._TUNED)[name].lookup(
+                    x.device, x.dtype, *((n, k, group) if m == 1 else (m, n, k, group)))
+                row[f"{name}_kernel"] = None if config is None else config.get("KERNEL")
                 ms = graph_ms(lambda: lowbit.matmul(x, t, name, group, None))
                 row[f"{name}_us"] = round(ms * 1e3, 2)
                 row[f"{name}_GBs"] = round(nbytes / ms / 1e6)
@@ -66,6 +73,8 @@ def run(rows_list: list[int]) -> list[dict]:
                     row[f"{name}_dequantize_us"] = round(deq * 1e3, 2)
             out.append(row)
             print(json.dumps(row), flush=True)
+        del packed, w
+        torch.cuda.empty_cache()
     return out
 
 
@@ -83,11 +92,14 @@ def table(rows: list[dict]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--shapes", default=None, help="comma-separated NxK, e.g. 4096x4096,1024x4096")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_lowbit_kernels.py times the CUDA kernels: it needs a CUDA GPU")
+    if args.shapes:
+        SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
     rows = run(args.rows)
     print(table(rows))
     if args.json:

@@ -89,17 +89,26 @@ def test_int4_group_sizes(group, device, impl):
         check_close("y", y, rows.double().cpu() @ dense.T, torch.bfloat16)
 
 
-def test_triton_decode_kernels_every_launch_configuration(device):
-    """The one-row kernels under each autotuning candidate (the tuner would time them on a GPU)."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_triton_decode_kernels_every_launch_configuration(fmt, device):
+    """The one-row kernels and the 2-16-row choices under each autotuning candidate (the tuner would time them on a
+    GPU), on feature counts that fill no block evenly."""
     _need_triton(device)
     from torchport.kernels.triton import lowbit
 
-    for fmt in ("int8", "int4", "nvfp4"):
-        spec, group, t, x64, _, dense = _case(fmt, 1, 20, 512, device, torch.float32)
-        x = x64.to(device, torch.float32)
-        for config in lowbit._gemv_candidates(fmt, 20, 512, group):
-            y = lowbit._launch_gemv(config, x, t, fmt, group, None)
-            check_close(f"{fmt} {config}", y, x64 @ dense.T, torch.float32)
+    for rows, n, k in ((1, 20, 512), (3, 20, 512), (1, 16, 1024)):  # (3 rows: bucket 4, where all three kernels compete)
+        spec, group, t, x64, bias64, dense = _case(fmt, rows, n, k, device, torch.float32)
+        x, bias = x64.to(device, torch.float32), bias64.to(device, torch.float32)
+        if rows == 1:
+            configs, launch = lowbit._gemv_candidates(fmt, n, k, group), lowbit._launch_gemv
+        else:
+            configs, launch = lowbit._candidates(fmt, rows, n, k, group), lowbit._launch
+        kernels = {config.get("KERNEL") for config in configs}
+        assert kernels == ({lowbit._GEMV, lowbit._GEMV_TILED} if rows == 1 else
+                           {lowbit._MMA, lowbit._ROWS, lowbit._DENSE}), kernels
+        for config in configs:
+            y = launch(config, x, t, fmt, group, bias)
+            check_close(f"{fmt} {config}", y, x64 @ dense.T + bias64, torch.float32)
 
 
 def test_triton_dequantize_matches_reference(device):
@@ -174,8 +183,10 @@ def test_triton_decodes_every_code_exactly(device):
         ref = get_format(fmt).dequantize({n: v.cpu() for n, v in t.items()}, torch.float32)
         got = lowbit.dequantize(t, fmt, groups[fmt], torch.float32).cpu()
         assert torch.equal(got, ref), fmt
-        x = torch.eye(ref.shape[1], device=device)[:1]  # the one-row kernel reads the first column back
-        assert torch.equal(lowbit.matmul(x, t, fmt, groups[fmt], None).cpu()[0], ref[:, 0]), fmt
+        eye = torch.eye(ref.shape[1], device=device)
+        for column in (*range(16), ref.shape[1] - 1):  # every byte / nibble position of a word, read back one by one
+            got = lowbit.matmul(eye[column:column + 1], t, fmt, groups[fmt], None).cpu()[0]
+            assert torch.equal(got, ref[:, column]), (fmt, column)
 
 
 def test_npu_repacks_after_the_weights_change_in_place(npu):

@@ -228,3 +228,26 @@ def test_activation_checkpointing_through_quantised_layers(device):
     checkpoint(mlp, x, use_reentrant=False).sum().backward()
     torch.testing.assert_close(x.grad, expected[0])
     torch.testing.assert_close(down.bias.grad, expected[1])
+
+
+def test_dequantised_weight_cache_for_prefill(device):
+    """Off by default (no dense copy held); on, more than 16 rows use one dense weight, made again after the codes
+    change in place, while up to 16 rows keep the fused decode path and the same results."""
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(64, 24).to(device), "int4", 32)
+    x = torch.randn(20, 64, device=device)
+    y = layer(x)
+    assert "dense" not in layer._cache
+    layer.cache_dequantized = True
+    torch.testing.assert_close(layer(x), y)
+    dense = layer._cache["dense"][1]
+    layer(x[:3])
+    layer(x)
+    assert layer._cache["dense"][1] is dense
+    with torch.no_grad():
+        layer.qweight.copy_(torch.flip(layer.qweight, (0,)))
+    torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias)
+    assert layer._cache["dense"][1] is not dense
+    layer.cache_dequantized = False
+    layer(x[:1])
+    assert "dense" not in layer._cache

@@ -6,6 +6,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..kernels.lowbit_matmul import lowbit_linear
@@ -14,6 +15,7 @@ from .formats import Format, get_format
 __all__ = ["QuantizedLinear"]
 
 _TENSORS = ("qweight", "scale", "offset", "global_scale")
+_DECODE_ROWS = 16  # up to this many rows the fused decode kernels read the codes; above it the dense weight is used
 
 
 class QuantizedLinear(nn.Module):
@@ -23,10 +25,18 @@ class QuantizedLinear(nn.Module):
     conversion of the module (``.half()``, ``.to(torch.bfloat16)``) changes the compute dtype and the bias only, never
     the stored codes. Build one from a layer with :meth:`from_linear` (what :func:`torchport.quantize` does).
 
+    Above 16 rows (prefill) the weight is dequantised into the compute dtype for each call and dropped after it, so
+    the layer holds only its codes. ``cache_dequantized = True`` keeps that dense weight between calls instead:
+    prefill then runs at the dense matmul's speed, and the layer holds the codes plus a dense copy (bf16: 2 bytes per
+    weight) from its first call of more than 16 rows until the flag is cleared or the layer is moved.
+
     Example:
         >>> layer = QuantizedLinear.from_linear(nn.Linear(4096, 4096, dtype=torch.bfloat16), "int4")
         >>> y = layer(x)                    # == x @ layer.dequantized_weight().T, fused where the device allows
+        >>> layer.cache_dequantized = True  # prefill: dequantise once, keep the dense weight
     """
+
+    cache_dequantized: bool = False
 
     def __init__(self, in_features: int, out_features: int, format: str, group_size: int | None = None, *,
                  bias: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -81,8 +91,25 @@ class QuantizedLinear(nn.Module):
         return self.dequantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.cache_dequantized and x.numel() > _DECODE_ROWS * x.shape[-1]:
+            return F.linear(x, self._dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        if not self.cache_dequantized:
+            self._cache.pop("dense", None)
         return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias,
                              dequantize=self.format_spec.dequantize, cache=self._cache)
+
+    def _dense(self, dtype: torch.dtype) -> torch.Tensor:
+        """The dequantised weight in ``dtype``, made once per storage, version and dtype of the codes and scales
+        (an in-place update such as ``load_state_dict`` bumps a version and so makes it again)."""
+        tensors = self.tensors()
+        key = (dtype, *((v.data_ptr(), v._version) for v in tensors.values()))
+        cached = self._cache.get("dense")
+        if cached is None or cached[0] != key:
+            self._cache.pop("dense", None)  # free the old copy before making the new one
+            with torch.no_grad():
+                cached = (key, self.dequantized_weight(dtype))
+            self._cache["dense"] = cached
+        return cached[1]
 
     def nbytes(self) -> int:
         """Bytes of the stored weight: codes and scales (the bias not counted)."""

@@ -1,7 +1,11 @@
 """The Triton kernels of the low-bit matmul (:mod:`.lowbit` chooses and launches them).
 
-* ``gemv8_kernel`` and ``gemv4_kernel``: one row of ``x`` (batch-1 decode) on the CUDA cores; 8-bit codes as bytes,
-  4-bit codes as int32 words of eight, in tiles of [rows, groups, words of a group].
+* ``gemv_kernel``: one row of ``x`` per program (batch-1 decode, or a few rows, one program per row and weight
+  block, so that the rows of one block share its bytes through L2) on the CUDA cores; every format's codes read as
+  int32 words and decoded with one logic operation and one float subtraction per code (int4, int8), or two codes
+  per float16 pair (e2m1, e4m3).
+* ``gemv8_kernel`` and ``gemv4_kernel``: the previous one-row kernels (8-bit codes as bytes, 4-bit codes in tiles of
+  [rows, groups, words of a group]), kept as autotuning candidates.
 * ``matmul_kernel``: up to 16 rows on the tensor cores, weight tiles loaded K-major; split-K with float32 atomics
   when the output features alone give too few programs.
 * ``dequantize_kernel``: the dense weight in the activation dtype, for prefill.
@@ -17,10 +21,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["FORMAT_IDS", "dequantize_kernel", "gemv4_kernel", "gemv8_kernel", "matmul_kernel"]
+__all__ = ["FORMAT_IDS", "MAGIC_BITS", "SIGN_BITS", "dequantize_kernel", "gemv4_kernel", "gemv8_kernel",
+           "gemv_kernel", "matmul_kernel"]
 
 FORMAT_IDS = {"int8": 0, "fp8": 1, "int4": 2, "mxfp4": 3, "nvfp4": 4}
 _INT8, _FP8, _INT4, _MXFP4, _NVFP4 = (tl.constexpr(v) for v in range(5))
+# Passed to gemv_kernel as run-time integers, so that ``(word & mask) | MAGIC_BITS`` is one three-input logic
+# instruction (LOP3 takes one immediate: with both constants immediate, ptxas emits two).
+MAGIC_BITS = 0x4B000000  # float32 2^23: a code in the low mantissa bits reads as 2^23 + code
+SIGN_BITS = -0x7FFF8000  # 0x80008000 as int32: the sign bits of a float16 pair
 
 
 # Decoding without int-to-float conversions (a quarter-rate instruction on recent GPUs, which would cap the decode
@@ -275,6 +284,125 @@ def gemv4_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, N, K, stride_q
     if HAS_BIAS:
         total += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y_ptr + rn, total.to(y_ptr.dtype.element_ty), mask=mask_n)
+
+
+@triton.jit
+def _load(ptr, mask, other, EVEN: tl.constexpr):
+    if EVEN:
+        return tl.load(ptr)
+    return tl.load(ptr, mask=mask, other=other)
+
+
+@triton.jit
+def _magic(src, MASK: tl.constexpr, magic_bits, MAGIC: tl.constexpr):
+    """The bits ``MASK`` of ``src`` as a float: ``(src & MASK) | 2^23`` read as float32, minus ``MAGIC`` (exact)."""
+    return ((src & MASK) | magic_bits).to(tl.float32, bitcast=True) - MAGIC
+
+
+@triton.jit
+def _half_pair(w, SHIFT: tl.constexpr, sign_bits, MAG_SHIFT: tl.constexpr, MAG_MASK: tl.constexpr):
+    """Two codes of each word, 16 bits apart, as float32 through a float16 pair: after ``w << SHIFT`` their sign bits
+    sit at bits 15 and 31 and stay; their magnitude bits move right by ``MAG_SHIFT`` into the float16 exponent and
+    mantissa (e2m1: value / 2^14, e4m3: value / 2^8; subnormals included)."""
+    q = w << SHIFT
+    h = (q & sign_bits) | ((q >> MAG_SHIFT) & MAG_MASK)
+    low = h.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    high = (h >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return low, high
+
+
+@triton.jit
+def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, N, K, stride_xm, stride_qn, stride_sn, stride_ym,
+                magic_bits, sign_bits, FORMAT: tl.constexpr, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
+                EVEN: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Row ``program_id(0)`` of ``x`` against ``BLOCK_N`` output features (``program_id(1)``), codes read as int32
+    words: four bytes (int8, fp8) or eight nibbles (int4, e2m1), column ``CPW * w + i`` in byte / nibble ``i`` of word
+    ``w``. A tile is [BLOCK_N, BLOCK_W] words; ``x`` is read once per tile as ``CPW`` strided vectors, one per code
+    position, shared by the tile's rows. int4 and int8 codes are decoded by the 2^23 trick in place: code ``i`` is
+    masked where it lies (within the 23 mantissa bits: the upper half-word is shifted down first), ``(c - 8) * 16^(i % 4)``
+    (int4) or ``c * 256^(i % 2)`` (int8), and ``x`` is pre-scaled by the
+    inverse power of two (exact). Group scales are gathered per word (a word never straddles two groups)."""
+    CPW: tl.constexpr = 4 if FORMAT == _INT8 or FORMAT == _FP8 else 8
+    WPG: tl.constexpr = GROUP // CPW
+    row = tl.program_id(0)
+    rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = rn < N
+    n_words = K // CPW
+    x_row = x_ptr + row * stride_xm
+    acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    acc_o = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
+    for w0 in range(0, n_words, BLOCK_W):
+        wi = w0 + tl.arange(0, BLOCK_W)
+        mask_w = wi < n_words
+        mask = mask_n[:, None] & mask_w[None, :]
+        w = _load(q_ptr + rn[:, None] * stride_qn + wi[None, :], mask, 0, EVEN)
+        xb = x_row + CPW * wi
+        x0 = _load(xb, mask_w, 0.0, EVEN).to(tl.float32)
+        x1 = _load(xb + 1, mask_w, 0.0, EVEN).to(tl.float32)
+        x2 = _load(xb + 2, mask_w, 0.0, EVEN).to(tl.float32)
+        x3 = _load(xb + 3, mask_w, 0.0, EVEN).to(tl.float32)
+        if FORMAT == _INT8:
+            t = w ^ -0x7F7F7F80  # 0x80808080: each byte + 128, so that it reads as an unsigned 0..255
+            p = _magic(t, 0xFF, magic_bits, 8388736.0) * x0[None, :]
+            p += _magic(t, 0xFF00, magic_bits, 8421376.0) * (x1 * (1.0 / 256))[None, :]
+            t_hi = t >> 16  # bytes 2, 3 (a byte in bits 16-23 would reach the float's exponent)
+            p += _magic(t_hi, 0xFF, magic_bits, 8388736.0) * x2[None, :]
+            p += _magic(t_hi, 0xFF00, magic_bits, 8421376.0) * (x3 * (1.0 / 256))[None, :]
+            acc += p
+        elif FORMAT == _FP8:
+            a0, a2 = _half_pair(w, 8, sign_bits, 1, 0x3F803F80)
+            a1, a3 = _half_pair(w, 0, sign_bits, 1, 0x3F803F80)
+            acc += a0 * x0[None, :] + a1 * x1[None, :] + a2 * x2[None, :] + a3 * x3[None, :]
+        else:
+            x4 = _load(xb + 4, mask_w, 0.0, EVEN).to(tl.float32)
+            x5 = _load(xb + 5, mask_w, 0.0, EVEN).to(tl.float32)
+            x6 = _load(xb + 6, mask_w, 0.0, EVEN).to(tl.float32)
+            x7 = _load(xb + 7, mask_w, 0.0, EVEN).to(tl.float32)
+            if FORMAT == _INT4:
+                w_hi = w >> 16
+                p = _magic(w, 0xF, magic_bits, 8388616.0) * x0[None, :]
+                p += _magic(w, 0xF0, magic_bits, 8388736.0) * (x1 * (1.0 / 16))[None, :]
+                p += _magic(w, 0xF00, magic_bits, 8390656.0) * (x2 * (1.0 / 256))[None, :]
+                p += _magic(w, 0xF000, magic_bits, 8421376.0) * (x3 * (1.0 / 4096))[None, :]
+                p += _magic(w_hi, 0xF, magic_bits, 8388616.0) * x4[None, :]
+                p += _magic(w_hi, 0xF0, magic_bits, 8388736.0) * (x5 * (1.0 / 16))[None, :]
+                p += _magic(w_hi, 0xF00, magic_bits, 8390656.0) * (x6 * (1.0 / 256))[None, :]
+                p += _magic(w_hi, 0xF000, magic_bits, 8421376.0) * (x7 * (1.0 / 4096))[None, :]
+            else:
+                a0, a4 = _half_pair(w, 12, sign_bits, 3, 0x0E000E00)
+                a1, a5 = _half_pair(w, 8, sign_bits, 3, 0x0E000E00)
+                a2, a6 = _half_pair(w, 4, sign_bits, 3, 0x0E000E00)
+                a3, a7 = _half_pair(w, 0, sign_bits, 3, 0x0E000E00)
+                p = a0 * x0[None, :] + a1 * x1[None, :] + a2 * x2[None, :] + a3 * x3[None, :]
+                p += a4 * x4[None, :] + a5 * x5[None, :] + a6 * x6[None, :] + a7 * x7[None, :]
+            s_off = rn[:, None] * stride_sn + (wi // WPG)[None, :]
+            if FORMAT == _INT4:
+                s = _load(s_ptr + s_off, mask, 0.0, EVEN).to(tl.float32)
+                o = _load(o_ptr + s_off, mask, 0.0, EVEN).to(tl.float32)
+                acc += p * s
+                acc_o += (o * s) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+            else:
+                raw = _load(s_ptr + s_off, mask, 0, EVEN).to(tl.int32) & 255
+                if FORMAT == _MXFP4:
+                    s = (raw << 23).to(tl.float32, bitcast=True)
+                else:
+                    s = _e4m3(raw)
+                acc += p * s
+    total = tl.sum(acc, axis=1)
+    if FORMAT == _INT4:
+        total += tl.sum(acc_o, axis=1)
+    if FORMAT == _INT8 or FORMAT == _FP8:
+        scale = tl.load(s_ptr + rn * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
+        if FORMAT == _FP8:
+            scale = scale * E4M3_UNIT
+        total = total * scale
+    if FORMAT == _MXFP4:
+        total = total * E2M1_UNIT
+    if FORMAT == _NVFP4:
+        total = total * (E2M1_UNIT * E4M3_UNIT) * tl.load(g_ptr)
+    if HAS_BIAS:
+        total += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_ym + rn, total.to(y_ptr.dtype.element_ty), mask=mask_n)
 
 
 @triton.jit
