@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from ..backends.npu import operator_limits
+from .npu_state import state
 
 __all__ = ["calls", "chip_family", "dtype_name", "start", "without_backward"]
 
@@ -22,8 +23,6 @@ calls: collections.Counter[str] = collections.Counter()
 
 def start(name: str) -> dict[str, Any]:
     """Count the call, fail as torch_npu does on a chip without the operator; returns the operator's limits."""
-    from .npu_state import state
-
     calls[name] += 1
     chip = state().chip
     reason = chip.lacks(name)
@@ -34,13 +33,12 @@ def start(name: str) -> dict[str, Any]:
 
 
 def chip_family() -> str:
-    """The family of the simulated chip (``"Ascend910B"``...), which some limits depend on."""
-    from .npu_state import state
-
+    """The family of the simulated chip (``"A2"``, ``"310P"``...), which some limits depend on."""
     return state().chip.family
 
 
 def dtype_name(t: torch.Tensor) -> str:
+    """``t``'s dtype without the ``torch.`` prefix (``"bfloat16"``), as the operators' limits name dtypes."""
     return str(t.dtype).removeprefix("torch.")
 
 
@@ -59,6 +57,7 @@ class _NoDerivative(torch.autograd.Function):
 
 
 def without_backward(name: str, out: torch.Tensor, inputs: Iterable[Any]) -> torch.Tensor:
+    """``out``, whose backward fails (as for an operator without a derivative) when an input requires grad."""
     grads = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
     if not grads or not torch.is_grad_enabled():
         return out

@@ -30,6 +30,8 @@ _BLOCK = 512  # the caching allocator's rounding, as in CUDA's and torch_npu's a
 
 @dataclasses.dataclass
 class DeviceMemory:
+    """One device's memory counters, in bytes (``cached``: freed but still reserved)."""
+
     total: int
     allocated: int = 0
     peak_allocated: int = 0
@@ -41,6 +43,8 @@ class DeviceMemory:
 
 
 class State:
+    """The simulated NPU of this process: its chip, and per device its memory, generator and memory fraction."""
+
     def __init__(self, device_count: int, total_memory: int, chip: ChipProfile) -> None:
         self.device_count = device_count
         self.chip = chip

@@ -24,12 +24,14 @@ _PRIMITIVES = frozenset({
 
 
 def has_privateuse1_kernel(op: str) -> bool:
+    """Whether a kernel registered for ``op`` on PrivateUse1 runs in place of the simulation's own."""
     # torchport's kernels pick their implementation per device themselves; a kernel of theirs registered for the
     # npu is their npu implementation, which the simulation runs as it runs every other one: on the host
     return not op.startswith("torchport::") and dispatcher_has(op, "PrivateUse1")
 
 
 def dispatcher_has(op: str, key: str) -> bool:
+    """Whether PyTorch's dispatcher has a kernel for ``op`` under dispatch key ``key``."""
     try:
         return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
     except RuntimeError:  # an operator the dispatcher knows by another name (aten::sym_size is aten::sym_size.int)
