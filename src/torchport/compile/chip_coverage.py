@@ -232,7 +232,7 @@ def chip_coverage(soc: str | ChipProfile | None = None) -> ChipCoverage:
     device = None
     if present is not None and present.soc_version == chip.soc_version:
         device = str(backend.device(0)) + (" (simulated)" if backend.versions().get("simulated") else "")
-    from .op_coverage import target_source
+    from .coverage_target import target_source
 
     source, listed = target_source(backend)
     if listed is not None:

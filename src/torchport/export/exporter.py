@@ -16,27 +16,28 @@ On a torch without the TorchScript exporter, opsets below 18 are made by the tor
 and ``onnx.version_converter``, and the result must pass ``onnx.checker`` with full checks and the onnxruntime
 comparison. That converter has no down-adapter for many operators (Relu 14, Shape 15: measured with onnx 1.23),
 so expect most models to be refused there, with the converter's reason.
+
+How the model and its inputs become the graph's inputs and outputs is :mod:`torchport.export.graph`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import copy
 import importlib.util
-import inspect
 import io
 import logging
 import math
 import os
 import re
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ..device import DeviceLike
-from ..verify.structure import leaves, map_tensors
+from ..verify.structure import map_tensors
+from .graph import Graph, batch_of, cast, default_output_names, prepared, tensor_inputs, tile
 from .report import Check, ExportReport, GraphInput
 from .runtime import require, session
 
@@ -115,33 +116,33 @@ def onnx(model: torch.nn.Module, example_inputs: Any, path: str | os.PathLike[st
     if use_dynamo:
         require("onnxscript", "for torch's torch.export-based ONNX exporter")
 
-    graph_model, restore = _prepared(model, target_dtype)
+    graph_model, restore = prepared(model, target_dtype)
     try:
-        inputs = map_tensors(lambda t: _cast(t, target_dtype), example_inputs)
-        names, tensors, call = _graph_inputs(model, inputs)
+        inputs = map_tensors(lambda t: cast(t, target_dtype), example_inputs)
+        names, tensors, call = tensor_inputs(model, inputs)
         names = _check_names(list(input_names) if input_names is not None else names, len(tensors), "input_names")
-        graph = _Graph(graph_model, call).eval()
+        graph = Graph(graph_model, call).eval()
         with torch.no_grad():
             raw = call(graph_model, tensors)
-        reference = _Graph.flatten(raw)
+        reference = Graph.flatten(raw)
         if not reference:
             raise ValueError(f"{type(model).__name__} returned no tensor (a {type(raw).__name__}); an ONNX graph "
                              "needs at least one tensor output")
-        outputs = _check_names(list(output_names) if output_names is not None else _output_names(raw),
+        outputs = _check_names(list(output_names) if output_names is not None else default_output_names(raw),
                                len(reference), "output_names")
-        batch = _batch(tensors)
+        batch = batch_of(tensors)
         dynamic = [dynamic_batch and batch is not None and t.dim() > 0 and t.shape[0] == batch for t in tensors]
         if dynamic_batch and not any(dynamic):
             raise ValueError("dynamic_batch=True but no input tensor has a batch dimension to make dynamic")
         export_tensors = tensors
         if any(dynamic) and batch == 1:  # torch.export fixes a dimension of size 1; trace with two rows
-            export_tensors = _tile(tensors, dynamic, 2)
+            export_tensors = tile(tensors, dynamic, 2)
         out_dynamic = [any(dynamic) and r.dim() > 0 and r.shape[0] == batch for r in reference]
         # Every PyTorch result is computed before exporting: the TorchScript exporter puts modules back in the
         # training mode it found on the wrapper, which would change what BatchNorm and Dropout compute afterwards.
         cases = [(batch, tensors, reference)]
         if any(dynamic):
-            more = _tile(tensors, dynamic, batch + 1)
+            more = tile(tensors, dynamic, batch + 1)
             with torch.no_grad():
                 cases.append((batch + 1, more, graph(*more)))
         notes = _export(graph, export_tensors, path, opset, names, outputs, dynamic, out_dynamic, use_dynamo,
@@ -202,119 +203,13 @@ def _check_names(names: list[str], count: int, option: str) -> list[str]:
     return names
 
 
-# -- the model and its inputs ---------------------------------------------------------------------------------------
-def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    t = t.detach().to("cpu")
-    return t.to(dtype) if t.is_floating_point() else t
-
-
-def _prepared(model: torch.nn.Module, dtype: torch.dtype) -> tuple[torch.nn.Module, Callable[[], None]]:
-    """The model on the CPU in ``dtype`` and eval mode, and how to put the caller's model back as it was."""
-    tensors = [*model.parameters(), *model.buffers()]
-    moved = any(t.device.type != "cpu" for t in tensors)
-    recast = any(t.is_floating_point() and t.dtype != dtype for t in tensors)
-    training = model.training
-    if moved or recast:
-        model = copy.deepcopy(model).to("cpu", dtype)
-        model.eval()
-        return model, lambda: None
-    model.eval()
-    return model, lambda: model.train(training)
-
-
-def _graph_inputs(model: torch.nn.Module, inputs: Any) -> tuple[list[str], list[torch.Tensor], Callable[..., Any]]:
-    """(default names, tensors, call): each top-level tensor of the inputs becomes a graph input; ``call(model,
-    tensors)`` calls the model with the tensors in their places and every other value fixed."""
-    if isinstance(inputs, torch.Tensor):
-        return _argument_names(model, 1), [inputs], lambda m, t: m(t[0])
-    if isinstance(inputs, Mapping):
-        keys = [key for key, value in inputs.items() if isinstance(value, torch.Tensor)]
-        _refuse_nested(inputs.items(), "keyword argument")
-        fixed = {key: value for key, value in inputs.items() if key not in keys}
-        return [str(key) for key in keys], [inputs[key] for key in keys], \
-            lambda m, t: m(**fixed, **dict(zip(keys, t)))
-    if isinstance(inputs, (tuple, list)):
-        _refuse_nested(enumerate(inputs), "argument")
-        slots = [i for i, value in enumerate(inputs) if isinstance(value, torch.Tensor)]
-        names = _argument_names(model, len(inputs))
-
-        def call(m: torch.nn.Module, t: Sequence[torch.Tensor]) -> Any:
-            args = list(inputs)
-            for slot, tensor in zip(slots, t):
-                args[slot] = tensor
-            return m(*args)
-
-        return [names[i] for i in slots], [inputs[i] for i in slots], call
-    raise TypeError(f"example_inputs must be a tensor, a tuple or list of arguments, or a dict of keyword "
-                    f"arguments; got {type(inputs).__name__}")
-
-
-def _refuse_nested(items: Any, what: str) -> None:
-    for key, value in items:
-        if not isinstance(value, torch.Tensor) and any(isinstance(leaf, torch.Tensor) for _, leaf in leaves(value)):
-            raise TypeError(f"{what} {key!r} holds tensors inside a {type(value).__name__}; ONNX graph inputs are "
-                            "tensors: pass each tensor as its own argument")
-
-
-def _argument_names(model: torch.nn.Module, count: int) -> list[str]:
-    try:
-        parameters = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):
-        parameters = []
-    names = []
-    for parameter in parameters:
-        if parameter.kind not in (parameter.POSITIONAL_ONLY, parameter.POSITIONAL_OR_KEYWORD):
-            break
-        names.append(parameter.name)
-    return [names[i] if i < len(names) else f"input_{i}" for i in range(count)]
-
-
-def _output_names(out: Any) -> list[str]:
-    names = []
-    for path, leaf in leaves(out):
-        if not isinstance(leaf, torch.Tensor):
-            continue
-        name = re.sub(r"[^0-9A-Za-z_]+", "_", path).strip("_")
-        names.append(name if path.startswith(".") else f"output_{name}" if name else "output")
-    return [name if names.count(name) == 1 else f"{name}_{i}" for i, name in enumerate(names)]
-
-
-class _Graph(torch.nn.Module):
-    """The model as the exporters see it: tensors in, a flat tuple of the output's tensors out."""
-
-    def __init__(self, model: torch.nn.Module, call: Callable[..., Any]) -> None:
-        super().__init__()
-        self.model = model
-        self.call = call
-
-    def forward(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.flatten(self.call(self.model, tensors))
-
-    @staticmethod
-    def flatten(out: Any) -> tuple[torch.Tensor, ...]:
-        return tuple(leaf for _, leaf in leaves(out) if isinstance(leaf, torch.Tensor))
-
-
-def _batch(tensors: list[torch.Tensor]) -> int | None:
-    return next((t.shape[0] for t in tensors if t.dim() > 0), None)
-
-
-def _tile(tensors: list[torch.Tensor], dynamic: list[bool], size: int) -> list[torch.Tensor]:
-    out = []
-    for t, flag in zip(tensors, dynamic):
-        if flag:
-            t = t.repeat(-(-size // t.shape[0]), *([1] * (t.dim() - 1)))[:size]
-        out.append(t)
-    return out
-
-
 # -- exporting -------------------------------------------------------------------------------------------------------
 def _torchscript_exporter_available() -> bool:
     return any(importlib.util.find_spec(name) is not None
                for name in ("torch.onnx._internal.torchscript_exporter", "torch.onnx.utils"))
 
 
-def _export(graph: _Graph, tensors: list[torch.Tensor], path: str, opset: int, names: list[str], outputs: list[str],
+def _export(graph: Graph, tensors: list[torch.Tensor], path: str, opset: int, names: list[str], outputs: list[str],
             dynamic: list[bool], out_dynamic: list[bool], use_dynamo: bool, model_name: str) -> list[str]:
     """Write the file; returns notes (values the TorchScript tracer fixed into the graph)."""
     if use_dynamo:
@@ -346,7 +241,7 @@ def _export(graph: _Graph, tensors: list[torch.Tensor], path: str, opset: int, n
     return notes
 
 
-def _export_dynamo(graph: _Graph, tensors: list[torch.Tensor], path: str, opset: int, names: list[str],
+def _export_dynamo(graph: Graph, tensors: list[torch.Tensor], path: str, opset: int, names: list[str],
                    outputs: list[str], dynamic: list[bool]) -> None:
     onnx_module = require("onnx", "to write the model")
     batch = torch.export.Dim("batch")
@@ -454,5 +349,5 @@ def graph_feeds(model: torch.nn.Module, inputs: Any, names: Sequence[str], dtype
         >>> sess.run(None, graph_feeds(model, torch.randn(4, 3, 32, 32), [i.name for i in report.inputs]))
     """
     target = _check_dtype(dtype)
-    _, tensors, _ = _graph_inputs(model, map_tensors(lambda t: _cast(t, target), inputs))
+    _, tensors, _ = tensor_inputs(model, map_tensors(lambda t: cast(t, target), inputs))
     return {name: t.numpy() for name, t in zip(_check_names(list(names), len(tensors), "names"), tensors)}

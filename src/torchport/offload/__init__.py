@@ -2,7 +2,7 @@
 device ahead of use on a side stream, overlapping compute.
 
 ``torchport.offload`` is both this package and a function: ``torchport.offload(model, "8GiB")`` offloads,
-``torchport.offload.plan(model, "8GiB")`` only plans. See :mod:`torchport.offload.runtime` for how copies and
+``torchport.offload.plan(model, "8GiB")`` only plans. See :mod:`torchport.offload.pipeline` for how copies and
 compute are ordered, and :mod:`torchport.offload.placement` for the memory bound.
 
 Example:
