@@ -22,8 +22,6 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib
 import importlib.util
 import logging
@@ -39,7 +37,8 @@ import torch.utils.checkpoint
 
 from .. import _settings
 from .._registry import Registry
-from ..backends import get_backend
+from ._implementation import (Implementation, KernelError, Unsupported, fused_op, fused_op_reason,
+                              fused_op_unavailable, triton_reason)
 from .spec import OpSpec
 
 __all__ = [
@@ -50,6 +49,7 @@ __all__ = [
     "custom_op",
     "forced",
     "fused_op",
+    "fused_op_reason",
     "fused_op_unavailable",
     "implementation",
     "kernel_modes",
@@ -66,42 +66,6 @@ logger = logging.getLogger("torchport")
 # Modules of this package that are not ops: the custom ops for compiled graphs, imported by the compile passes only
 # (registering them costs time that eager users should not pay).
 _NOT_OPS = frozenset({"library"})
-
-
-class Unsupported(RuntimeError):
-    """Raised by an implementation that cannot handle these arguments or this device (the message says why)."""
-
-
-class KernelError(RuntimeError):
-    """A forced implementation could not run; the message names the op, the implementation and the reason."""
-
-
-@dataclasses.dataclass(frozen=True)
-class Implementation:
-    """One way to compute an op.
-
-    Attributes:
-        op: the op's name (``"rms_norm"``).
-        name: the implementation's name (``"reference"``, ``"triton"``, ``"npu"``).
-        fn: the function; it takes the op's arguments and raises :class:`Unsupported` for arguments it cannot handle.
-        devices: the device types it serves, or None for every device.
-        priority: the highest-priority implementation serving a device is chosen in auto mode.
-        requires: returns why the implementation cannot run on a device (a library or vendor operator is
-            missing), or None when it can; checked once per device type.
-    """
-
-    op: str
-    name: str
-    fn: Callable[..., Any]
-    devices: frozenset[str] | None
-    priority: int
-    requires: Callable[[torch.device], str | None] | None = None
-
-    def serves(self, device_type: str) -> bool:
-        return self.devices is None or device_type in self.devices
-
-    def unavailable_reason(self, device: torch.device) -> str | None:
-        return None if self.requires is None else self.requires(device)
 
 
 def _import_ops() -> None:
@@ -141,7 +105,7 @@ def register_kernel(
     if name == "reference" and devices is not None:
         raise ValueError(f"the reference implementation of {op!r} must serve every device (devices=None)")
     if name == "triton" and requires is None:
-        requires = _triton_reason
+        requires = triton_reason
 
     def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
         with _lock:
@@ -151,19 +115,12 @@ def register_kernel(
                     f"kernel {op!r} already has an implementation named {name!r} ({impls[name].fn.__module__}); "
                     f"registered: {', '.join(impls)}"
                 )
-            impls[name] = Implementation(op, name, fn, None if devices is None else frozenset(devices), priority, requires)
+            served = None if devices is None else frozenset(devices)
+            impls[name] = Implementation(op, name, fn, served, priority, requires)
             _forget_choices()
         return fn
 
     return decorate
-
-
-def _triton_reason(device: torch.device) -> str | None:
-    # Triton implementations import triton when first called; without it they could only fail there, so the
-    # registry skips them (auto) or refuses them (forced) with this reason, and `torchport kernels` shows it.
-    if importlib.util.find_spec("triton") is None:
-        return "Triton is not installed (pip install triton)"
-    return None
 
 
 def register_op(spec: OpSpec) -> OpSpec:
@@ -427,28 +384,3 @@ def backward_fallback(
 
 def _needs_grad(inputs: Sequence[Any]) -> list[bool]:
     return [isinstance(t, torch.Tensor) and t.is_floating_point() for t in inputs]
-
-
-def fused_op(name: str, device: torch.device) -> Callable[..., Any]:
-    """The vendor fused operator ``name`` on ``device``'s backend, or :class:`Unsupported` naming what is missing."""
-    op = get_backend(device.type).fused_op(name)
-    if op is None:
-        raise Unsupported(f"the {device.type} software stack has no fused operator {name}")
-    return op
-
-
-def fused_op_unavailable(name: str, device: torch.device) -> str | None:
-    """Why the vendor fused operator ``name`` cannot run on ``device``, or None when it can: the device's software
-    stack lacks it, or its chip does (a vendor library defines every operator on every chip, and the call fails on
-    a chip without a kernel for it; backends that know their chips say so through ``chip_lacks``)."""
-    backend = get_backend(device.type)
-    if backend.fused_op(name) is None:
-        return f"the {device.type} software stack has no fused operator {name}"
-    chip_lacks = getattr(backend, "chip_lacks", None)
-    return None if chip_lacks is None else chip_lacks(name, device.index or 0)
-
-
-def fused_op_reason(name: str) -> Callable[[torch.device], str | None]:
-    """A ``requires`` check for :func:`register_kernel`: operator ``name`` must run on the device (its software stack
-    has it and its chip runs it). A chip without it is an expected fallback, warned once, never a kernel failure."""
-    return functools.partial(fused_op_unavailable, name)  # a partial: coverage reads which operator it needs
