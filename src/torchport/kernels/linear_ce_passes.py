@@ -202,9 +202,9 @@ TORCH_MATH = SliceMath(_stats_torch, _grad_torch, _scale_rows_torch)
 
 
 def triton_math() -> SliceMath:
-    from .triton import cross_entropy as kernel
+    from .triton import cross_entropy, linear_ce_slices
 
-    return SliceMath(kernel.slice_stats, kernel.slice_grad, kernel.scale_rows)
+    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, cross_entropy.scale_rows)
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
