@@ -120,7 +120,7 @@ def _chunked_kernel(
                 # overwritten when DX is X)
                 scale = tl.load(SCALE)
                 softmax_factor = 1.0 + 2.0 * z_loss * lse
-                for i in range(0, chunks):
+                for i in range(chunks):
                     if REVERSE:
                         start = (chunks - 1 - i) * BLOCK
                     else:
