@@ -6,20 +6,21 @@ the least any implementation can move is 2·N·V·s — read the logits once, wr
 gradient and, when it is exactly 1 (``loss.backward()`` on a mean or sum), returns without touching the gradient;
 otherwise it scales it in place (another 2·N·V·s).
 
-Two kernels, by row length:
+Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.py`` on an H100, notes in
+``benchmarks/KERNELS_NOTES.md``):
 
-* **Rows that fit in registers** (``V`` up to ``_ROW_MAX`` = 16384 columns): ``BLOCK_M`` whole rows per program,
-  each read once into registers; the maximum, log-sum-exp, loss and gradient come from those registers, so the
-  kernel moves exactly 2·N·V·s. Several rows per program keep small vocabularies (256 columns: 512 bytes a row)
+* **Short rows** (``V`` up to ``_ROW_MAX`` = 4096 columns): ``BLOCK_M`` whole rows per program (2048 values, 4
+  warps), each read once into registers; the maximum, log-sum-exp, loss and gradient come from those registers, so
+  the kernel moves exactly 2·N·V·s. Several rows per program keep small vocabularies (256 columns: 512 bytes a row)
   from being one tiny program per row.
-* **Longer rows**: a row is walked in chunks of ``BLOCK`` columns twice — an online softmax (running maximum and
-  sum of ``exp(x - max)``) for its log-sum-exp, then the gradient. The second read must come from L2, or the kernel
-  moves 3·N·V·s. A grid of one program per row kept ~4 rows in flight per multiprocessor: 132 x 4 x 250 KiB =
-  132 MB of rows between their two reads for 128256-wide bf16 rows, past the 50 MiB L2, so most second reads went
-  to memory (2.34 ms, 60% of the ceiling counted at 2·N·V·s). Here the grid is persistent, with as many programs
-  as keep ``_L2_ROWS_BYTES`` of rows in flight (one per multiprocessor for 250 KiB rows: 33 MB), the first pass
-  loads with ``evict_last`` and the second pass walks the row backwards, so the chunks read last come back first.
-
+* **Longer rows**: one program per row walks it in chunks of ``BLOCK`` columns twice — an online softmax (running
+  maximum and sum of ``exp(x - max)``) for its log-sum-exp, then the gradient. The second read should come from
+  L2, or the kernel moves 3·N·V·s: the first pass loads with ``evict_last``, the second walks the row backwards (the
+  chunks read last come back first) and loads and stores with ``evict_first``. 8192 x 128256 bf16: 1.80 ms against
+  1.98 ms for forward walks without the hints (78% and 71% of the copy ceiling). With ~4 programs per
+  multiprocessor, 132 MB of rows are in flight between their two reads, more than the 50 MiB L2, so part of the
+  second read still goes to memory; a persistent grid with fewer rows in flight (1–4 per multiprocessor) measured
+  slower still (57–74%): too few loads in flight.
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
 rows get zeros. The gradient goes into a fresh buffer, or over the logits themselves when the caller opts in
@@ -40,9 +41,8 @@ from . import cdiv, multiprocessor_count, next_power_of_2
 
 __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "scale_rows"]
 
-_ROW_MAX = 16384  # columns a program holds in registers (float32: 32 per thread at 16 warps)
+_ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
 _BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
-_L2_ROWS_BYTES = 32 * 2**20  # rows in flight between the chunked kernel's two reads: within the H100's 50 MiB L2
 
 
 @triton.jit
@@ -150,13 +150,9 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
     """The launch :func:`loss_and_grad` uses for ``n`` rows of ``v`` logits of ``element_size`` bytes."""
     width = next_power_of_2(max(v, 1))
     if width <= _ROW_MAX:
-        # 4096-8192 values per program, but at least ~4 programs per multiprocessor
-        rows = max(1, min(8192 // width, next_power_of_2(max(1, n // (4 * sms)))))
-        while rows > 1 and rows * width > 8192:
-            rows //= 2
-        return Launch("rows", rows, min(16, max(4, rows * width // 512)))
-    per_sm = max(1, _L2_ROWS_BYTES // (sms * v * element_size))
-    return Launch("chunked", _BLOCK, 16, min(per_sm, 8))
+        # 2048 values (4 warps) per program: measured best at 256 and 4096 columns (8192 rows, H100)
+        return Launch("rows", max(1, 2048 // width), 4)
+    return Launch("chunked", min(_BLOCK, width), 16, 0)
 
 
 def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
