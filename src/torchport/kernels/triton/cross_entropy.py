@@ -21,6 +21,7 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   multiprocessor, 132 MB of rows are in flight between their two reads, more than the 50 MiB L2, so part of the
   second read still goes to memory; a persistent grid with fewer rows in flight (1–4 per multiprocessor) measured
   slower still (57–74%): too few loads in flight.
+
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
 rows get zeros. The gradient goes into a fresh buffer, or over the logits themselves when the caller opts in
