@@ -11,6 +11,7 @@ a PNG chart.
     python benchmarks/bench_kernels.py                                  # the shapes of ../shared/BENCHMARKS.md
     python benchmarks/bench_kernels.py --ops rms_norm,rope --contenders eager,liger,torchport
     python benchmarks/bench_kernels.py --small                          # CPU smoke run, seconds
+    python benchmarks/bench_kernels.py --sweep                          # 8192 rows, sizes 256 ... 262144 (GPU time)
 
 Targets (issue 5), torchport against the fastest of eager, torch.compile and liger-kernel in the same run:
 RMSNorm >= 2.0x, LayerNorm >= 1.5x, SwiGLU, GeGLU, RoPE >= 1.2x; peak memory <= the lowest of the three.
@@ -34,9 +35,10 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kernel_peers import (  # noqa: E402
-    cross_entropy_eager, geglu_eager, layer_norm_eager, linear_cross_entropy_eager, liger, rms_norm_eager, rope_eager,
+    cce, cross_entropy_eager, geglu_eager, layer_norm_eager, linear_cross_entropy_eager, liger, rms_norm_eager, rope_eager,
     swiglu_eager)
-from kernel_report import _finite, device_name, git_commit, plot, print_table, versions  # noqa: E402
+from kernel_report import PEERS, _finite, device_name, git_commit, judge, plot, print_table, versions  # noqa: E402,F401
+from kernel_sweep import SIZES as SWEEP_SIZES, SWEEP_OPS, run_sweep  # noqa: E402
 from kernel_timing import Device, kernel_mode  # noqa: E402
 
 # The ops, their input shapes (sizes "benchmark" and, for --small, "smoke"), inputs and the fewest bytes (and, for
@@ -135,9 +137,9 @@ def _ops() -> dict[str, Op]:
 
 OPS = _ops()
 
-CONTENDERS = ("eager", "compile", "liger", "torchport", "torchport-inplace")
-PEERS = ("eager", "compile", "liger")
-LABELS = {"eager": "eager", "compile": "torch.compile", "liger": "liger-kernel", "torchport": "torchport",
+CONTENDERS = ("eager", "compile", "liger", "cce", "torchport", "torchport-inplace")
+LABELS = {"eager": "eager", "compile": "torch.compile", "liger": "liger-kernel", "cce": "cut-cross-entropy",
+          "torchport": "torchport",
           "torchport-inplace": "torchport in-place"}
 TOLERANCE = {torch.float32: 1e-4, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -230,6 +232,8 @@ def contender_fn(op: Op, name: str) -> tuple[Callable | None, str | None]:
             return torch.compile(op.eager), None
         if name == "liger":
             return liger(op.name), None
+        if name == "cce":  # linear + CE only
+            return (cce(op.name), None) if op.name == "fused_linear_cross_entropy" else (None, None)
         if name == "torchport":
             return _torchport(op, in_place=False), None
         if name == "torchport-inplace":
@@ -274,34 +278,6 @@ def bench_op(op: Op, dims, contenders, dtype, dev: Device, ceiling_gbps: float, 
             "ideal_ms": nbytes / ceiling_gbps / 1e6, "target_speedup": op.target, "rows": rows}
 
 
-def judge(op: Op, rows: list[dict]) -> None:
-    """Speedup of each torchport row over the fastest passing peer, and the time and memory targets."""
-    peers = [r for r in rows if r["contender"] in PEERS and r["status"] == "ok" and r.get("median_ms")]
-    fastest = min(peers, key=lambda r: r["median_ms"], default=None)
-    peaks = [r["peak_mib"] for r in peers if r.get("peak_mib") is not None]
-    lowest = min(peaks, default=None)
-    for row in rows:
-        if not row["contender"].startswith("torchport") or not row.get("median_ms") or fastest is None:
-            continue
-        row["fastest_peer"] = fastest["label"]
-        row["speedup"] = fastest["median_ms"] / row["median_ms"]
-        graphed = [r for r in peers if r.get("gpu_ms")]
-        if graphed and row.get("gpu_ms"):
-            gpu_fastest = min(graphed, key=lambda r: r["gpu_ms"])
-            row["gpu_fastest_peer"] = gpu_fastest["label"]
-            row["gpu_speedup"] = gpu_fastest["gpu_ms"] / row["gpu_ms"]
-        if row["status"] != "ok":
-            row["time_target"] = "missed (FAIL)"
-        elif row["speedup"] >= op.target:
-            row["time_target"] = "met"
-        else:
-            row["time_target"] = f"missed, {row['speedup']:.2f}× < {op.target}×"
-        if lowest is not None and row.get("peak_mib") is not None:
-            row["lowest_peer_mib"] = lowest
-            over = row["peak_mib"] - lowest
-            row["memory_target"] = "met" if over <= 0 else f"missed by {over:.1f} MiB"
-
-
 # --- output --------------------------------------------------------------------------------------------------------
 
 def torchport_choices(device: torch.device, mode: str) -> dict[str, str] | str:
@@ -318,7 +294,11 @@ def torchport_choices(device: torch.device, mode: str) -> dict[str, str] | str:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", default=",".join(OPS), help=f"comma-separated subset of {','.join(OPS)}")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help=f"subset of {','.join(CONTENDERS)}")
+    parser.add_argument("--contenders", default=None,
+                        help=f"subset of {','.join(CONTENDERS)} (default: all; --sweep: torchport,liger)")
+    parser.add_argument("--sweep", action="store_true", help="the memory-bound ops over sizes (kernel_sweep.py)")
+    parser.add_argument("--sweep-sizes", default=",".join(map(str, SWEEP_SIZES)), help="--sweep: hidden sizes")
+    parser.add_argument("--sweep-rows", type=int, default=8192, help="--sweep: rows")
     parser.add_argument("--small", action="store_true", help="small shapes and a 64 MiB copy: a CPU smoke run")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--device", default=None, help="default: torchport.device()")
@@ -338,13 +318,16 @@ def main() -> None:
         passes = importlib.import_module("torchport.kernels.linear_ce_passes")
         passes.WORKSPACE_BYTES = int(args.flce_workspace_mib * 2**20)
 
+    if args.sweep and args.ops == ",".join(OPS):
+        args.ops = ",".join(SWEEP_OPS)
+    args.contenders = args.contenders or ("torchport,liger" if args.sweep else ",".join(CONTENDERS))
     ops = [o.strip() for o in args.ops.split(",") if o.strip()]
     contenders = [c.strip() for c in args.contenders.split(",") if c.strip()]
     for given, valid, what in ((ops, OPS, "op"), (contenders, CONTENDERS, "contender")):
         unknown = [x for x in given if x not in valid]
         if unknown:
             parser.error(f"unknown {what}(s) {', '.join(unknown)}; valid: {', '.join(valid)}")
-    suffix = "_small" if args.small else ""
+    suffix = "_small" if args.small else "_sweep" if args.sweep else ""
     json_path = args.json or os.path.join(HERE, "results", f"kernels{suffix}.json")
     plot_path = args.plot or os.path.join(HERE, "results", f"kernels{suffix}.png")
     if args.device is None:
@@ -372,6 +355,12 @@ def main() -> None:
     shown = ", ".join(f"{k}={v}" for k, v in choices.items()) if isinstance(choices, dict) else choices
     print(f"torchport rows with TORCHPORT_KERNELS={mode}: {shown}\n")
 
+    if args.sweep:
+        meta = {"command": " ".join([os.path.basename(sys.executable)] + sys.argv), "commit": git_commit(),
+                "device": device_name(device), "versions": info, "dtype": args.dtype}
+        run_sweep(sys.modules[__name__], ops, [int(x) for x in args.sweep_sizes.split(",")], args.sweep_rows,
+                  contenders, dtype, dev, ceiling, mode, json_path, meta)
+        return
     results = []
     for name in ops:
         op = OPS[name]

@@ -85,3 +85,13 @@ def liger(op: str) -> Callable:
         return lambda h, w, t: LigerFusedLinearCrossEntropyFunction.apply(h, w, t, None, None, -100, 0.0, 0.0,
                                                                           "mean")[0]
     raise ValueError(f"liger-kernel has no {op}")
+
+
+def cce(op: str) -> Callable:
+    """Apple's cut-cross-entropy (``cut_cross_entropy.linear_cross_entropy``, its default ``cce`` kernels) for the
+    linear + cross-entropy op."""
+    if op != "fused_linear_cross_entropy":
+        raise ValueError(f"cut-cross-entropy has no {op}")
+    from cut_cross_entropy import linear_cross_entropy
+
+    return lambda h, w, t: linear_cross_entropy(h, w, t, ignore_index=-100, reduction="mean").float()

@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+PEERS = ("eager", "compile", "liger", "cce")  # the contenders the targets compare torchport with
 
 
 def _fmt(value: Any, spec: str) -> str:
@@ -141,3 +142,31 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{device.type} ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def judge(op: Any, rows: list[dict]) -> None:
+    """Speedup of each torchport row over the fastest passing peer, and the time and memory targets."""
+    peers = [r for r in rows if r["contender"] in PEERS and r["status"] == "ok" and r.get("median_ms")]
+    fastest = min(peers, key=lambda r: r["median_ms"], default=None)
+    peaks = [r["peak_mib"] for r in peers if r.get("peak_mib") is not None]
+    lowest = min(peaks, default=None)
+    for row in rows:
+        if not row["contender"].startswith("torchport") or not row.get("median_ms") or fastest is None:
+            continue
+        row["fastest_peer"] = fastest["label"]
+        row["speedup"] = fastest["median_ms"] / row["median_ms"]
+        graphed = [r for r in peers if r.get("gpu_ms")]
+        if graphed and row.get("gpu_ms"):
+            gpu_fastest = min(graphed, key=lambda r: r["gpu_ms"])
+            row["gpu_fastest_peer"] = gpu_fastest["label"]
+            row["gpu_speedup"] = gpu_fastest["gpu_ms"] / row["gpu_ms"]
+        if row["status"] != "ok":
+            row["time_target"] = "missed (FAIL)"
+        elif row["speedup"] >= op.target:
+            row["time_target"] = "met"
+        else:
+            row["time_target"] = f"missed, {row['speedup']:.2f}× < {op.target}×"
+        if lowest is not None and row.get("peak_mib") is not None:
+            row["lowest_peer_mib"] = lowest
+            over = row["peak_mib"] - lowest
+            row["memory_target"] = "met" if over <= 0 else f"missed by {over:.1f} MiB"

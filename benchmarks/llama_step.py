@@ -99,11 +99,16 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
     }
 
 
-def run_contenders(script: str, names: Sequence[str], extra: Sequence[str]) -> list[dict[str, Any]]:
+def run_contenders(script: str, names: Sequence[str], extra: Sequence[str],
+                   partial: str | None = None) -> list[dict[str, Any]]:
     """Run ``script --one NAME *extra`` for each name in its own process; the JSON each printed after
-    ``RESULT ``, or ``{"contender": name, "error": ...}``."""
-    rows = []
+    ``RESULT ``, or ``{"contender": name, "error": ...}``. With ``partial``, the rows so far are written there
+    after each contender (a run cut short keeps what it measured)."""
+    rows: list[dict[str, Any]] = []
     for name in names:
+        if partial and rows:
+            with open(partial, "w", encoding="utf-8") as f:
+                json.dump({"partial": True, "rows": rows}, f, indent=2)
         done = subprocess.run([sys.executable, os.path.abspath(script), "--one", name, *extra],
                               capture_output=True, text=True)
         found = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
@@ -147,7 +152,7 @@ def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name:
         parser.error(f"--contenders: unknown {unknown}; valid: {', '.join(contenders)}")
     extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else []) + \
         (["--device", args.device] if args.device else [])
-    return args, shape, run_contenders(sys.argv[0], wanted, extra)
+    return args, shape, run_contenders(sys.argv[0], wanted, extra, args.json + ".partial")
 
 
 def write(path: str, shape: dict[str, int], args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:

@@ -12,9 +12,10 @@ deliberate difference: a mean over rows that are all ignored is 0 (gradients 0),
 
 Implementations:
 
-* ``triton`` on CUDA/ROCm (:mod:`torchport.kernels.triton.cross_entropy` counts its bytes): an online softmax over
-  the vocabulary in chunks (any vocabulary size, no float32 copy of the logits), with the gradient computed in
-  the forward pass. The backward only multiplies it by the upstream gradient, and skips even that when the
+* ``triton`` on CUDA/ROCm (:mod:`torchport.kernels.triton.cross_entropy` counts its bytes): whole rows in
+  registers up to 16384 classes, an online softmax over the vocabulary in chunks beyond (any vocabulary size, no
+  float32 copy of the logits), with the gradient computed in the forward pass and the mean's row count kept on the
+  device (no host synchronisation). The backward only multiplies it by the upstream gradient, and skips even that when the
   upstream gradient is 1.
 * ``npu`` on Ascend through ``torch_npu.npu_cross_entropy_loss(input, target, weight, reduction, ignore_index,
   label_smoothing, ...)``, called per row (``reduction="none"``) with ignored rows masked here, because its
@@ -107,8 +108,6 @@ def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_ind
                           loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     from .triton import cross_entropy as kernel
 
-    if n_valid is None:
-        n_valid = int((target != ignore_index).sum())
     return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid,
                                 loss_dtype)
 

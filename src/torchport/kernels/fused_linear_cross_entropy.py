@@ -11,7 +11,7 @@ non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exa
 ``F.cross_entropy(logits, target, reduction="sum") / num_items_in_batch`` — so micro-batch losses add up to the
 mean over the whole accumulated batch.
 
-Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torchport.kernels.triton.cross_entropy`),
+Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torchport.kernels.triton.linear_ce_slices`),
 ``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch; torch_npu's vocabulary-parallel
 pieces, npu_fused_linear_online_max_sum and npu_fused_cross_entropy_loss_with_max_sum, are not used), and the
 ``reference``: the full logits, then the cross-entropy in float32.

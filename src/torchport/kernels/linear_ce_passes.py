@@ -43,10 +43,11 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
+
+from .linear_ce_torch import TORCH_MATH, SliceMath, scale_rows_torch
 
 __all__ = ["RESCALE_MARGIN", "TORCH_MATH", "WORKSPACE_BYTES", "Blocks", "SliceMath", "blocks", "triton_math",
            "two_pass", "workspace_bytes"]
@@ -102,109 +103,10 @@ def blocks(n: int, hidden: int, vocab: int, element_size: int, accumulators: int
     return Blocks(tokens, _balanced(vocab, left // per_column), _balanced(vocab, budget // max(n * element_size, 1)))
 
 
-class SliceMath(NamedTuple):
-    """The per-slice element-wise steps, in Triton or in PyTorch (signatures of the Triton module's functions);
-    ``scale_rows(t, factor)``: ``t[i] *= factor[i]``, for the accumulator's rescaling (Triton's skips rows whose
-    factor is exactly 1, which most rows' is)."""
-
-    stats: Callable[..., None]
-    grad: Callable[..., None]
-    scale_rows: Callable[[torch.Tensor, torch.Tensor], None]
-
-
-def _row_chunks(x: torch.Tensor, copies: int) -> range:
-    """Row starts for the PyTorch steps, so that ``copies`` float32 temporaries of a chunk of ``x`` stay within half
-    of ``x``'s own bytes (on an NPU the workspace is device memory too)."""
-    rows, width = x.shape
-    step = max(1, x.element_size() * rows // (2 * 4 * copies))
-    return range(0, rows, step)
-
-
-def _stats_torch(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
-                 alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
-                 slope_out: torch.Tensor | None) -> None:
-    chunks = _row_chunks(x, 1 if softcap is None else 2)
-    for r in chunks:
-        sl = slice(r, r + chunks.step)
-        _stats_rows(x[sl], target[sl], v0, tuple(v[sl] for v in state), alpha[sl], ignore_index, softcap, margin,
-                    want_p, None if slope_out is None else slope_out[sl])
-
-
-def _stats_rows(x: torch.Tensor, target: torch.Tensor, v0: int, state: tuple[torch.Tensor, ...],
-                alpha: torch.Tensor, ignore_index: int, softcap: float | None, margin: float, want_p: bool,
-                slope_out: torch.Tensor | None) -> None:
-    m, d, x_t, total = state
-    width = x.shape[1]
-    y = x.to(m.dtype, copy=True)
-    if softcap is not None:
-        y.div_(softcap).tanh_().mul_(softcap)
-    valid = target != ignore_index
-    top = y.amax(1) if width else torch.full_like(m, -math.inf)
-    m_new = torch.where(valid & (top > m + margin), top, m)
-    alpha.copy_(torch.where(m == -math.inf, torch.ones_like(m), torch.exp(m - m_new)))
-    local = target - v0
-    inside = valid & (local >= 0) & (local < width)
-    if width:
-        x_t.copy_(torch.where(inside, y.gather(1, local.clamp(0, width - 1).unsqueeze(1)).squeeze(1), x_t))
-    total.add_(torch.where(valid, y.sum(1), torch.zeros_like(total)))
-    slope = None
-    if softcap is not None:
-        slope = torch.square(y / softcap).neg_().add_(1.0).masked_fill_(~valid.unsqueeze(1), 0.0)
-    # in place: exp(y - m); an ignored row's maximum is -inf, so its values are inf until masked
-    e = y.sub_(m_new.unsqueeze(1)).exp_().masked_fill_(~valid.unsqueeze(1), 0.0)
-    d.copy_(torch.where(valid, d * alpha + e.sum(1), d))
-    m.copy_(m_new)
-    if want_p:
-        x.copy_(e if slope is None else e.mul_(slope))
-    if slope_out is not None:
-        slope_out.copy_(slope)
-
-
-def _grad_torch(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
-                label_smoothing: float, z_loss: float, softcap: float | None) -> None:
-    chunks = _row_chunks(x, 1 if softcap is None else 2)
-    for r in chunks:
-        sl = slice(r, r + chunks.step)
-        _grad_rows(x[sl], target[sl], v0, vocab, lse[sl], scale[sl], label_smoothing, z_loss, softcap)
-
-
-def _grad_rows(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: torch.Tensor, scale: torch.Tensor,
-               label_smoothing: float, z_loss: float, softcap: float | None) -> None:
-    width = x.shape[1]
-    g = x.to(lse.dtype, copy=True)
-    slope = None
-    if softcap is not None:
-        g.div_(softcap).tanh_()
-        slope = torch.square(g).neg_().add_(1.0)
-        g.mul_(softcap)
-    g.sub_(lse.unsqueeze(1)).exp_()
-    if z_loss:
-        g.mul_((1.0 + 2.0 * z_loss * lse).unsqueeze(1))
-    if label_smoothing:
-        g.sub_(label_smoothing / vocab)
-    local = target - v0
-    inside = (local >= 0) & (local < width)
-    if width:
-        g.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1),
-                       torch.where(inside, label_smoothing - 1.0, 0.0).to(g.dtype).unsqueeze(1))
-    if slope is not None:
-        g.mul_(slope)
-    # masked, not only multiplied: rows with scale 0 (ignored targets) are 0 even where their exp() overflowed
-    g.mul_(scale.unsqueeze(1)).masked_fill_((scale == 0).unsqueeze(1), 0.0)
-    x.copy_(g)
-
-
-def _scale_rows_torch(t: torch.Tensor, factor: torch.Tensor) -> None:
-    t.mul_(factor.unsqueeze(1))
-
-
-TORCH_MATH = SliceMath(_stats_torch, _grad_torch, _scale_rows_torch)
-
-
 def triton_math() -> SliceMath:
-    from .triton import cross_entropy as kernel
+    from .triton import cross_entropy, linear_ce_slices
 
-    return SliceMath(kernel.slice_stats, kernel.slice_grad, kernel.scale_rows)
+    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, cross_entropy.scale_rows)
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -407,18 +309,30 @@ class _TwoPassFunction(torch.autograd.Function):
                 grad_b = None if grad_b is None else grad_b.to(ctx.dtypes[1])
         else:
             grad_h, grad_w, grad_b = ctx.saved_tensors
-            # One host read of the upstream gradient: loss.backward() gives exactly 1, and then the gradients
-            # (1 GiB of grad_weight for 4096 x 128256 bf16) are handed over without a pass over them.
-            factor = float(dloss)
-            if factor != 1.0:
-                for g in (grad_h, grad_w, grad_b):
-                    if g is not None:
-                        g.mul_(factor)  # a Python float: multiplied in float32, rounded once
+            _scale_by(math_, dloss, (grad_h, grad_w, grad_b))
         # New views of our own buffers: autograd hands them on without copying.
         return (None if grad_h is None else grad_h.view(grad_h.shape),
                 None if grad_w is None else grad_w.view(grad_w.shape),
                 None if grad_b is None else grad_b.view(grad_b.shape),
                 None, None, None)
+
+
+def _scale_by(math_: SliceMath, dloss: torch.Tensor, grads: tuple[torch.Tensor | None, ...]) -> None:
+    """Multiply the gradients by the scalar upstream gradient, in float32, rounded once. ``loss.backward()`` gives
+    exactly 1, and then the gradients (1 GiB of grad_weight for 4096 x 128256 bf16) are handed over untouched: the
+    Triton kernel reads the factor on the device and skips rows whose factor is 1 (no host synchronisation);
+    elsewhere one host read of it decides."""
+    if math_.scale_rows is not scale_rows_torch:
+        factor = dloss.detach().reshape(1).to(torch.float32)
+        for g in grads:
+            if g is not None and g.numel():
+                math_.scale_rows(g.view(-1, g.shape[-1]), factor)
+        return
+    value = float(dloss)
+    if value != 1.0:
+        for g in grads:
+            if g is not None:
+                g.mul_(value)  # a Python float: multiplied in float32, rounded once
 
 
 def two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,

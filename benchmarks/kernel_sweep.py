@@ -1,0 +1,144 @@
+"""``bench_kernels.py --sweep``: the memory-bound ops at a fixed number of rows over hidden (or vocabulary) sizes,
+as GPU time against the device-to-device copy ceiling measured in the same run.
+
+For each op and size: every contender is checked against the float32 reference on the first 64 rows, then timed
+at the full row count. torchport's rows (and any peer that leaves its inputs alone) are timed as the replay of a
+CUDA graph of one forward + backward, i.e. the kernels' GPU time without the host's launch work; a peer that writes
+its gradients over its inputs (liger's in-place RMSNorm, GLUs and cross-entropy) is timed with CUDA events around
+each call after an untimed restore of its inputs, which includes its launch time (negligible at the large sizes,
+not at the small ones). Quack (``quack-kernels``) is a contender only where it imports; the run records why not.
+
+Issue 23's target: every memory-bound op ≥ 90% of the copy ceiling in GPU time at 8192 rows for sizes
+256 … 262144; cross-entropy ≥ 85%.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from typing import Any
+
+import torch
+
+SWEEP_OPS = ("rms_norm", "layer_norm", "swiglu", "geglu", "cross_entropy")
+SIZES = (256, 1024, 4096, 16384, 65536, 262144)
+TARGET_PCT = {"cross_entropy": 85.0}  # every other op: 90%
+
+
+def quack_status() -> str | None:
+    """None when ``quack`` imports here, else why not."""
+    try:
+        import quack  # noqa: F401
+    except Exception as exc:  # noqa: BLE001 - any failure means no Quack row
+        return f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    return None
+
+
+def _quack(op: str):
+    """Quack's function for ``op`` where it has one (forward + backward through autograd), else None."""
+    import quack
+
+    if op == "rms_norm" and hasattr(quack, "rmsnorm"):
+        return lambda x, w: quack.rmsnorm(x, w, eps=1e-6)
+    if op == "cross_entropy" and hasattr(quack, "cross_entropy"):
+        return lambda logits, t: quack.cross_entropy(logits, t, ignore_index=-100).mean()
+    return None
+
+
+def _one(bench: Any, op: Any, name: str, fn: Any, size: int, rows: int, dtype: torch.dtype, dev: Any,
+         mode: str) -> dict[str, Any]:
+    row: dict[str, Any] = {"contender": name}
+    scope = bench.kernel_mode(mode) if name.startswith("torchport") else contextlib.nullcontext()
+    gen = torch.Generator(device=dev.device).manual_seed(size)
+    try:
+        with scope:
+            small_args, small_grads = op.make((64, size), dtype, dev.device, gen)
+            for a in small_args[:op.differentiable]:
+                a.requires_grad_(True)
+            ref = bench.reference(op, small_args, small_grads)
+            errors, _ = bench.check(op, fn, small_args, small_grads, ref)
+            row["rel_err"] = max(errors.values())
+            row["status"] = "ok" if row["rel_err"] <= bench.TOLERANCE[dtype] else "FAIL"
+            del small_args, small_grads, ref
+            base_args, base_grads = op.make((rows, size), dtype, dev.device, gen)
+            for a in base_args[:op.differentiable]:
+                a.requires_grad_(True)
+            row["bytes"] = op.bytes_moved(*base_args)
+            args, grads = bench._fresh(base_args, base_grads)
+            leaves = [a for a in args if a.requires_grad]
+
+            def step() -> None:
+                torch.autograd.backward(bench._as_tuple(fn(*args)), grads)
+
+            def restore() -> None:
+                with torch.no_grad():
+                    for mine, base in zip(args + grads, base_args + base_grads):
+                        mine.copy_(base)
+
+            step()
+            dev.synchronize()
+            overwrites = any(not torch.equal(m, b) for m, b in zip(args + grads, base_args + base_grads))
+            if overwrites:
+                row["ms"] = dev.median_ms(step, leaves, restore)
+                row["timer"] = "events, inputs restored untimed"
+            else:
+                row["ms"] = dev.graph_ms(step, leaves)
+                row["timer"] = "CUDA graph replay"
+                if row["ms"] is None:  # no CUDA graphs off CUDA: a synchronised host median
+                    row["ms"] = dev.median_ms(step, leaves)
+                    row["timer"] = "host median"
+    except Exception as exc:  # noqa: BLE001 - a contender that cannot run is a row
+        row.update(status="error", error=f"{type(exc).__name__}: {exc}".splitlines()[0][:200])
+    return row
+
+
+def run_sweep(bench: Any, ops: list[str], sizes: list[int], rows: int, contenders: list[str],
+              dtype: torch.dtype, dev: Any, ceiling: float, mode: str, json_path: str, meta: dict) -> None:
+    quack_why = quack_status()
+    print(f"sweep: {rows} rows, sizes {', '.join(map(str, sizes))}; quack: "
+          f"{'imported' if quack_why is None else 'skipped (' + quack_why + ')'}")
+    results = []
+    for name in ops:
+        op = bench.OPS[name]
+        target = TARGET_PCT.get(name, 90.0)
+        for size in sizes:
+            entries = []
+            for who in contenders + (["quack"] if quack_why is None else []):
+                if who == "quack":
+                    fn = _quack(name)
+                else:
+                    fn, error = bench.contender_fn(op, who)
+                    if error is not None:
+                        entries.append({"contender": who, "status": "error", "error": error})
+                        continue
+                if fn is None:
+                    continue
+                entry = _one(bench, op, who, fn, size, rows, dtype, dev, mode)
+                if entry.get("ms"):
+                    entry["pct_ceiling"] = 100 * entry["bytes"] / (entry["ms"] * 1e-3) / 1e9 / ceiling
+                    if who == "torchport":
+                        entry["target"] = f"≥{target:.0f}%: " + ("met" if entry["pct_ceiling"] >= target else "missed")
+                entries.append(entry)
+                if dev.device.type == "cuda":
+                    torch.cuda.empty_cache()
+            shown = "  ".join(f"{e['contender']} " + (f"{e['ms']:.4f} ms {e['pct_ceiling']:.1f}%"
+                                                       + ("" if e.get("status") == "ok" else f" {e.get('status')}")
+                                                       if e.get("ms") else f"{e.get('status')}: {e.get('error', '')}")
+                              for e in entries)
+            print(f"{name:>14} {rows}×{size:<7} {shown}", flush=True)
+            results.append({"op": name, "rows": rows, "size": size, "target_pct": target, "entries": entries})
+    print("\n| op | size | least bytes | " + " | ".join(contenders) + " | torchport target |")
+    print("|---|---|---|" + "---|" * len(contenders) + "---|")
+    for r in results:
+        by = {e["contender"]: e for e in r["entries"]}
+        cells = [f"{by[c]['ms']:.4f} ms ({by[c]['pct_ceiling']:.1f}%)" if by.get(c, {}).get("ms") else
+                 by.get(c, {}).get("status", "-") for c in contenders]
+        nbytes = next((e["bytes"] for e in r["entries"] if e.get("bytes")), 0)
+        print(f"| {r['op']} | {r['size']} | {nbytes / 1e6:.1f} MB | " + " | ".join(cells) +
+              f" | {by.get('torchport', {}).get('target', '-')} |")
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+    with open(json_path, "w") as f:
+        json.dump({**meta, "sweep_rows": rows, "sizes": sizes, "quack": quack_why or "imported",
+                   "copy_gbps": ceiling, "results": results}, f, indent=1)
+    print(f"wrote {json_path}")
