@@ -28,33 +28,28 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
-import re
-import tempfile
 import threading
 import time
-import warnings
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
 import triton
 
-from ... import __version__, _logging, _settings
+from ... import _logging
 from ...backends import get_backend
+from .autotune_cache import FORMAT, cache_directory, cache_path, file_lock, forget_warnings, load, read, write
 from ..checks import capturing
 
-__all__ = ["FORMAT", "Tunable", "cache_path", "clear_cache", "coarse", "distinct", "enabled", "entries", "list_tunables",
-           "set_enabled", "timer"]
+__all__ = ["FORMAT", "Tunable", "cache_path", "clear_cache", "coarse", "distinct", "enabled", "entries",
+           "list_tunables", "set_enabled", "timer"]
 
-FORMAT = 1  # version of the file layout
 _WARMUP_MS, _REP_MS = 5, 25  # do_bench budget per candidate: 6 candidates tune in roughly 0.2-0.5 s
 _MARGIN = 0.02  # another candidate replaces the heuristic only when it is at least 2% faster
 _MEMO_SIZE = 4096  # distinct sizes remembered per kernel before the exact-size memo starts over
-_LOCK_WAIT_S = 120.0  # how long a process waits for another one's tuning before going on unlocked
 
 Config = dict[str, int]
 Launch = Callable[[Config], Any]
@@ -68,7 +63,6 @@ logger = logging.getLogger("torchport")
 _lock = threading.RLock()
 _tunables: dict[str, Tunable] = {}
 _enabled = True
-_warned: set[tuple[str, str]] = set()
 
 
 class Tunable:
@@ -160,8 +154,8 @@ class Tunable:
             return heuristic, True  # Triton's interpreter or a device without events: nothing to time
         key = self.key(dtype, bucket)
         path = cache_path(device)
-        with _file_lock(path):
-            entry = _read(path).get(key)
+        with file_lock(path):
+            entry = read(path).get(key)
             cached = _valid_config(entry, candidates)
             if cached is not None:
                 _logging.log("kernels", "autotune %s: %s from %s", key, cached, path)
@@ -172,7 +166,7 @@ class Tunable:
             if entry["config"] is None:
                 return heuristic, True  # every candidate failed: the launch will raise its own error
             entry["shape_bucket"] = dict(zip(self.fields, bucket))
-            _write(path, key, entry, device)
+            write(path, key, entry, device)
         return entry["config"], True
 
 
@@ -248,128 +242,6 @@ def _can_time(device: torch.device) -> bool:
 
 
 # -- the cache files -----------------------------------------------------------------------------------------------
-@functools.lru_cache(maxsize=None)
-def _describe(device_type: str, index: int) -> tuple[str, str]:
-    """(device model name, capability): the part of the key that says which hardware the timings hold for."""
-    backend = get_backend(device_type)
-    try:
-        name = backend.device_name(index)
-    except Exception:  # noqa: BLE001
-        name = device_type
-    try:
-        capability = str(backend.properties(index).get("capability") or "")
-    except Exception:  # noqa: BLE001
-        capability = ""
-    return name, capability
-
-
-def cache_path(device: torch.device) -> str:
-    """The cache file for ``device``: one per device model and capability, Triton version and torchport version.
-
-    Example:
-        >>> cache_path(torch.device("cuda"))   # doctest: +SKIP
-        '/home/me/.cache/torchport/autotune/NVIDIA-H100-80GB-HBM3-9.0-triton-3.6.0-torchport-0.1.0.json'
-    """
-    name, capability = _describe(device.type, device.index or 0)
-    stem = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name} {capability} triton {triton.__version__} torchport {__version__}")
-    return os.path.join(_directory(), stem.strip("-") + ".json")
-
-
-def _directory() -> str:
-    return os.path.join(_settings.cache_dir(), "autotune")
-
-
-def _warn_once(cause: tuple[str, str], message: str) -> None:
-    if cause in _warned:
-        return
-    _warned.add(cause)
-    logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=3)
-
-
-def _load(path: str) -> dict[str, Any] | None:
-    """The whole file, None when it is absent; a file that cannot be read or parsed is warned about once."""
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (FileNotFoundError, NotADirectoryError):
-        return None
-    except (OSError, ValueError) as exc:
-        _warn_once((path, "read"), f"torchport autotune cache {path} cannot be read ({type(exc).__name__}: {exc}); "
-                                   "ignoring it (delete it, or call torchport.kernels.triton.autotune.clear_cache())")
-        return None
-    if not (isinstance(data, dict) and data.get("format") == FORMAT and isinstance(data.get("entries"), dict)):
-        _warn_once((path, "format"), f"torchport autotune cache {path} is not a format-{FORMAT} cache file; ignoring "
-                                     "it (delete it, or call torchport.kernels.triton.autotune.clear_cache())")
-        return None
-    return data
-
-
-def _read(path: str) -> dict[str, Any]:
-    data = _load(path)
-    return {} if data is None else data["entries"]
-
-
-def _write(path: str, key: str, entry: dict[str, Any], device: torch.device) -> None:
-    """Add one entry to the file: merge with what is there now, write a temporary file, rename it over."""
-    name, capability = _describe(device.type, device.index or 0)
-    data = {"format": FORMAT, "device": name, "capability": capability, "triton": triton.__version__,
-            "torchport": __version__, "entries": {**_read(path), key: entry}}
-    directory = os.path.dirname(path)
-    try:
-        os.makedirs(directory, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=directory)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                json.dump(data, f, indent=1, sort_keys=True)
-            os.replace(temporary, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temporary)
-            raise
-    except OSError as exc:
-        _warn_once((directory, "write"), f"torchport autotune cache cannot be written in {directory} "
-                                         f"({type(exc).__name__}: {exc}); tuning results are kept for this process only")
-
-
-@contextlib.contextmanager
-def _file_lock(path: str) -> Iterator[None]:
-    """Exclusive across processes while a bucket is looked up, tuned and written (no-op without ``fcntl``)."""
-    try:
-        import fcntl
-    except ImportError:  # Windows: no lock; files are still replaced atomically
-        yield
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        handle = open(path + ".lock", "a")  # noqa: SIM115 - closed below
-    except OSError as exc:
-        _warn_once((os.path.dirname(path), "write"), f"torchport autotune cache cannot be written in "
-                   f"{os.path.dirname(path)} ({type(exc).__name__}: {exc}); tuning results are kept for this "
-                   "process only")
-        yield
-        return
-    with handle:
-        deadline = time.monotonic() + _LOCK_WAIT_S
-        locked = False
-        while not locked:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                locked = True
-            except BlockingIOError:
-                if time.monotonic() > deadline:
-                    _warn_once((path, "lock"), f"torchport autotune cache {path} stayed locked by another process "
-                                               f"for {_LOCK_WAIT_S:.0f} s; tuning without the lock")
-                    break
-                time.sleep(0.01)
-        try:
-            yield
-        finally:
-            if locked:
-                fcntl.flock(handle, fcntl.LOCK_UN)
-
-
-# -- public helpers ------------------------------------------------------------------------------------------------
 def coarse(count: int, low: int, high: int) -> int:
     """``count`` rounded up to ``low`` times a power of 4, clamped to ``[low, high]``: a shape-bucket value.
 
@@ -433,9 +305,9 @@ def clear_cache(*, files: bool = True) -> int:
     removed = 0
     with _lock:
         _forget()
-        _warned.clear()
+        forget_warnings()
         if files:
-            directory = _directory()
+            directory = cache_directory()
             with contextlib.suppress(FileNotFoundError, NotADirectoryError):
                 for name in os.listdir(directory):
                     if name.endswith(".json"):
@@ -455,14 +327,14 @@ def entries() -> list[dict[str, Any]]:
         rms_norm.forward bfloat16 block_n=4096,rows=16384 {'BLOCK_M': 1, 'num_warps': 8} 0.0121
     """
     out = []
-    directory = _directory()
+    directory = cache_directory()
     try:
         names = sorted(n for n in os.listdir(directory) if n.endswith(".json") and not n.startswith("."))
     except (FileNotFoundError, NotADirectoryError):
         return out
     for name in names:
         path = os.path.join(directory, name)
-        data = _load(path)
+        data = load(path)
         if data is None:
             continue
         header = {k: data.get(k) for k in ("device", "capability", "triton", "torchport")}
