@@ -49,6 +49,7 @@ from ..backends.npu import ChipProfile, chip_profile
 from . import npu_state, npu_tensor
 from .npu_state import NPU, is_active, state
 from .npu_tensor import SimulatedTensor
+from .npu_tensor import _rebuild  # noqa: F401  (files saved by earlier releases name it here)
 from .npu_unsupported import declare_unsupported, dispatcher_has, has_privateuse1_kernel, withdraw
 
 __all__ = ["SimulatedTensor", "activate", "declare_unsupported", "is_active", "state", "use_chip", "withdraw"]
