@@ -28,6 +28,7 @@ import triton.language as tl
 
 from .. import registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
+from .launch import Kernel
 
 __all__ = ["MAX_FUSED", "layer_norm", "rms_norm"]
 
@@ -262,6 +263,8 @@ def _bucket(m: int, n: int) -> tuple[int, int]:
     return next_power_of_2(n), autotune.coarse(m, *_ROWS)
 
 
+_FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(_fwd_chunked_kernel)
+_BWD, _BWD_CHUNKED = Kernel(_bwd_kernel), Kernel(_bwd_chunked_kernel)
 _FIELDS = ("block_n", "rows")
 # (is_rms, fused) -> Tunable
 _FORWARD = {
@@ -282,19 +285,17 @@ def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.T
                     bias: torch.Tensor | None, y: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
                     eps: float, offset: float, is_rms: bool) -> None:
     m, n = rows.shape
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None)
     # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
     args = (rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
             mean if mean is not None else rstd, rstd)
     if n <= MAX_FUSED:
         block_m = config["BLOCK_M"]
-        _fwd_kernel[(cdiv(m, block_m),)](
-            *args, m, n, rows.stride(0), n, eps, offset,
-            **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"],
-        )
+        _FWD.launch((cdiv(m, block_m),), *args, m, n, rows.stride(0), n, eps, offset, IS_RMS=is_rms,
+                    HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
+                    num_warps=config["num_warps"])
     else:
-        _fwd_chunked_kernel[(m,)](*args, n, rows.stride(0), n, eps, offset, **flags,
-                                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        _FWD_CHUNKED.launch((m,), *args, n, rows.stride(0), n, eps, offset, IS_RMS=is_rms, HAS_W=weight is not None,
+                            HAS_B=bias is not None, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
@@ -329,12 +330,12 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd
     args = (rows, weight if weight is not None else rows, dy_rows, dx, mean if mean is not None else rstd, rstd,
             dw, db, m, n, rows.stride(0), dy_rows.stride(0), n, offset)
-    flags = dict(IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db)
     if fused:
-        _bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
-                                 num_warps=config["num_warps"])
+        _BWD.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
+                    WANT_DB=want_db, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"])
     else:
-        _bwd_chunked_kernel[(programs,)](*args, **flags, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        _BWD_CHUNKED.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
+                            WANT_DB=want_db, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     return dw, db
 
 
@@ -359,23 +360,31 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None,
         scratch = args if dx is not dy else (rows, weight, dy_rows, torch.empty_like(dx), *args[4:])
         config = tunable.tune(device, rows.dtype, (m, n), lambda c: _launch_backward(c, *scratch))
     dw, db = _launch_backward(config, *args)
-    return dx, dw.sum(0) if want_dw else None, db.sum(0) if want_db else None
+    return dx, _total(dw) if want_dw else None, _total(db) if want_db else None
+
+
+def _total(partials: torch.Tensor) -> torch.Tensor:
+    """The sum over programs of per-program partial sums; a single program's row is the sum itself (no launch)."""
+    return partials.view(partials.shape[1]) if partials.shape[0] == 1 else partials.sum(0)
 
 
 class _NormFunction(torch.autograd.Function):
+    # One tuple of settings rather than six arguments: apply inspects every argument it is given.
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                offset: float, is_rms: bool, in_place: bool, reference: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                settings: tuple[Any, ...]) -> torch.Tensor:
+        eps, offset, is_rms = settings[:3]
         y, mean, rstd, rows = _forward(x, weight, bias, eps, offset, is_rms)
         ctx.save_for_backward(rows, weight, bias, mean, rstd)
-        ctx.args = (x.shape, eps, offset, is_rms, in_place, reference,
-                    registry.forced("rms_norm" if is_rms else "layer_norm"))
+        ctx.settings = settings
+        ctx.shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         rows, weight, bias, mean, rstd = ctx.saved_tensors
-        shape, eps, offset, is_rms, in_place, reference, was_forced = ctx.args
+        eps, offset, is_rms, in_place, reference, was_forced = ctx.settings
+        shape = ctx.shape
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = bias is not None and ctx.needs_input_grad[2]
         try:
@@ -385,11 +394,11 @@ class _NormFunction(torch.autograd.Function):
             x = rows.view(shape)
             ref = (lambda x, w, b: reference(x, w, eps, offset)) if is_rms else (lambda x, w, b: reference(x, w, b, eps))
             dx, dw, db = registry.backward_fallback(op, "triton", exc, was_forced, ref, (x, weight, bias), (dy,))
-            return dx, dw, db, None, None, None, None, None
+            return dx, dw, db, None
         # A new view, never the incoming tensor itself: autograd then hands it on (or makes it a leaf's .grad)
         # without the copy it makes of a gradient that other references still hold.
         return (dx.view(shape), None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None, None)
+                None if db is None else db.to(bias.dtype), None)
 
 
 def _check_dtype(*tensors: torch.Tensor | None) -> None:
@@ -406,10 +415,12 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool,
              reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight)
-    return _NormFunction.apply(x, _dense(weight), None, eps, offset, True, in_place, reference)
+    settings = (eps, offset, True, in_place, reference, registry.forced("rms_norm"))
+    return _NormFunction.apply(x, _dense(weight), None, settings)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight, bias)
-    return _NormFunction.apply(x, _dense(weight), _dense(bias), eps, 0.0, False, False, reference)
+    settings = (eps, 0.0, False, False, reference, registry.forced("layer_norm"))
+    return _NormFunction.apply(x, _dense(weight), _dense(bias), settings)
