@@ -11,6 +11,7 @@ import itertools
 
 import pytest
 import torch
+import triton.language as tl
 from triton import knobs
 from triton.runtime.jit import JITFunction
 
@@ -19,11 +20,11 @@ from torchport.kernels import registry
 from torchport.kernels.triton import launch
 
 
-def _kernel(X, Y, n, scale, BLOCK: "tl.constexpr", FLAG: "tl.constexpr"):  # noqa: F821 - never compiled here
+def _kernel(X, Y, n, scale, BLOCK: tl.constexpr, FLAG: tl.constexpr):  # never compiled here
     pass
 
 
-def _interleaved(X, BLOCK: "tl.constexpr", n):  # noqa: F821
+def _interleaved(X, BLOCK: tl.constexpr, n):
     pass
 
 
@@ -139,7 +140,10 @@ def test_launch_hooks_and_unbindable_kernels_keep_tritons_path(fake_triton, monk
     assert [c[0] for c in fake_triton] == ["triton"] * 4
     fake_triton.clear()
     kernel.launch((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
-    hook = lambda metadata: None  # noqa: E731
+
+    def hook(metadata):
+        return None
+
     knobs.runtime.launch_exit_hook.add(hook)  # a profiler's hook sees every launch
     try:
         kernel.launch((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
