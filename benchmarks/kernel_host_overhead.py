@@ -5,9 +5,13 @@ Every row is the median over ``--repeats`` runs of the mean time per call over `
 process, so the rows compare with each other (the absolute figures depend on the machine and its load). On CUDA
 (default when present) it also times liger-kernel's RMSNorm when installed; ``--device cpu`` and ``--device npu``
 (the simulated NPU) measure the Python side of the path on any machine. ``--profile`` adds a cProfile of
-torchport's RMSNorm step, sorted by own time. Writes JSON with ``--json``.
+torchport's RMSNorm step, sorted by own time; ``--pieces`` (CUDA) times the pieces of that step one by one: a
+Triton launch through ``kernel[grid]``, through torchport's bound launcher (``kernels/triton/launch.py``) and
+through the compiled kernel alone, an allocation, one ATen launch, an autograd round trip of a no-op Function,
+PyTorch's LayerNorm and torchport's RMSNorm forward without and with autograd. Writes JSON with ``--json``.
 
     PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cpu --profile
+    PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cuda --pieces
 """
 
 from __future__ import annotations
@@ -70,6 +74,56 @@ def cases(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], No
     }
 
 
+def pieces(device: torch.device, dtype: torch.dtype, calls: int, repeats: int) -> dict[str, float]:
+    """Host time of each piece of torchport's RMSNorm step on a 4 x 64 input, in microseconds (CUDA)."""
+    from triton.runtime.driver import driver
+
+    from torchport.kernels.triton import norm
+    from torchport.kernels.triton.launch import Kernel
+
+    x = torch.randn(4, 64, device=device, dtype=dtype, requires_grad=True)
+    w = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
+    b = torch.randn(64, device=device, dtype=dtype, requires_grad=True)
+    dy = torch.randn(4, 64, device=device, dtype=dtype)
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    y, rstd = torch.empty(4, 64, device=device, dtype=dtype), torch.empty(4, device=device)
+    args = (xd, wd, wd, y, rstd, rstd, 4, 64, 64, 64, 1e-6, 0.0)
+    meta = {"IS_RMS": True, "HAS_W": True, "HAS_B": False, "BLOCK_M": 32, "BLOCK_N": 64, "num_warps": 4}
+    compiled = norm._fwd_kernel[(1,)](*args, **meta)
+    stream = driver.active.get_current_stream(driver.active.get_current_device())
+    bound = Kernel(norm._fwd_kernel)
+    constexprs = tuple(meta[p.name] for p in norm._fwd_kernel.params if p.is_constexpr)
+
+    class Noop(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, w):
+            return torch.empty_like(x)
+
+        @staticmethod
+        def backward(ctx, g):
+            return g, None
+
+    kernels = torchport.kernels
+    steps = {
+        "triton kernel[grid](...)": lambda: norm._fwd_kernel[(1,)](*args, **meta),
+        "torchport launch.Kernel.launch": lambda: bound.launch((1,), *args, **meta),
+        "CompiledKernel.run alone": lambda: compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata,
+                                                         None, None, None, *args, *constexprs),
+        "torch.empty(4, 64)": lambda: torch.empty((4, 64), device=device),
+        "current device and stream": lambda: driver.active.get_current_stream(driver.active.get_current_device()),
+        "one ATen launch (add_)": lambda: y.add_(1.0),
+        "y.sum(0)": lambda: y.sum(0),
+        "no-op autograd.Function fwd+bwd": lambda: Noop.apply(x, w).backward(dy),
+        "x * 1 fwd+bwd": lambda: (x * 1.0).backward(dy),
+        "torch layer_norm fwd, no grad": lambda: F.layer_norm(xd, (64,), wd, bd),
+        "torch layer_norm fwd+bwd": lambda: F.layer_norm(x, (64,), w, b).backward(dy),
+        "torchport rms_norm fwd, no grad": lambda: kernels.rms_norm(xd, wd),
+        "torchport rms_norm fwd, with grad": lambda: kernels.rms_norm(x, w),
+        "torchport rms_norm fwd+bwd": lambda: kernels.rms_norm(x, w).backward(dy),
+    }
+    return {name: per_call_us(fn, device, calls, repeats) for name, fn in steps.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
@@ -78,6 +132,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--profile", action="store_true", help="cProfile torchport's RMSNorm step")
+    parser.add_argument("--pieces", action="store_true", help="time the pieces of torchport's RMSNorm step (CUDA)")
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
     if args.device == "npu" and not hasattr(torch, "npu"):
@@ -85,6 +140,8 @@ def main() -> None:
 
         simulate_npu()
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    if args.pieces and device.type != "cuda":
+        parser.error(f"--pieces times Triton's compiled launcher: it needs --device cuda, not {device.type}")
     if device.type != "cuda":
         # host-side arithmetic on tiny tensors: one thread, or the OpenMP pool's wake-ups (milliseconds on a loaded
         # machine) swamp the per-call cost being measured
@@ -111,9 +168,15 @@ def main() -> None:
         out = io.StringIO()
         pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(20)
         print(out.getvalue())
+    parts = pieces(device, dtype, args.calls, args.repeats) if args.pieces else {}
+    if parts:
+        print(f"pieces of torchport's RMSNorm step on {device} (median of {args.repeats} x {args.calls} calls)")
+        for name, us in parts.items():
+            print(f"  {name:34} {us:8.1f} us")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": str(device), "dtype": args.dtype, "us_per_call": rows}, f, indent=1)
+            json.dump({"device": str(device), "dtype": args.dtype, "us_per_call": rows, "pieces_us": parts}, f,
+                      indent=1)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .. import registry
 from . import autotune, cdiv, next_power_of_2
+from .launch import Kernel
 
 __all__ = ["glu"]
 
@@ -122,6 +123,7 @@ def _candidates(row: int, elements: int) -> list[autotune.Config]:
 
 
 _FIELDS = ("row", "elements")
+_FWD, _BWD = Kernel(_fwd_kernel), Kernel(_bwd_kernel)
 
 
 # (gelu, backward) -> Tunable
@@ -142,22 +144,22 @@ def _grid(config: autotune.Config, m: int, n: int) -> tuple[tuple[int], int, int
 def _launch_forward(config: autotune.Config, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, gelu: bool) -> None:
     m, n = a.shape
     grid, block_m, block_n = _grid(config, m, n)
-    _fwd_kernel[grid](a, b, c, m, n, a.stride(0), b.stride(0), c.stride(0), GELU=gelu,
-                      BLOCK_M=block_m, BLOCK_N=block_n, num_warps=config["num_warps"])
+    _FWD.launch(grid, a, b, c, m, n, a.stride(0), b.stride(0), c.stride(0), GELU=gelu, BLOCK_M=block_m,
+                BLOCK_N=block_n, num_warps=config["num_warps"])
 
 
 def _launch_backward(config: autotune.Config, a: torch.Tensor, b: torch.Tensor, dc: torch.Tensor, da: torch.Tensor,
                      db: torch.Tensor, gelu: bool) -> None:
     m, n = a.shape
     grid, block_m, block_n = _grid(config, m, n)
-    _bwd_kernel[grid](a, b, dc, da, db, m, n, a.stride(0), b.stride(0), dc.stride(0), da.stride(0), db.stride(0),
-                      GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=config["num_warps"])
+    _BWD.launch(grid, a, b, dc, da, db, m, n, a.stride(0), b.stride(0), dc.stride(0), da.stride(0), db.stride(0),
+                GELU=gelu, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=config["num_warps"])
 
 
 class _GluFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
-                reference: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor, settings: tuple[Any, ...]) -> torch.Tensor:
+        gelu = settings[0]
         out = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
         a, b, c = _as_rows(gate, up, out)
         m, n = a.shape
@@ -168,13 +170,13 @@ class _GluFunction(torch.autograd.Function):
                 config = tunable.tune(a.device, a.dtype, (m, n), lambda cfg: _launch_forward(cfg, a, b, c, gelu))
             _launch_forward(config, a, b, c, gelu)
         ctx.save_for_backward(gate, up)
-        ctx.args = (gelu, in_place, reference, registry.forced("geglu" if gelu else "swiglu"))
+        ctx.settings = settings
         return out
 
     @staticmethod
     def backward(ctx: Any, dout: torch.Tensor) -> tuple[Any, ...]:
         gate, up = ctx.saved_tensors
-        gelu, in_place, reference, was_forced = ctx.args
+        gelu, in_place, reference, was_forced = ctx.settings
         try:
             if in_place:
                 # Gradients go over the inputs' own memory (their values are read first, element by element);
@@ -205,7 +207,7 @@ class _GluFunction(torch.autograd.Function):
         # New views of the buffers: autograd hands them on without copying (it would copy ``gate``/``up`` themselves,
         # which other references still hold).
         dgate, dup = (None if t is None else t.view(t.shape) for t in (dgate, dup))
-        return dgate, dup, None, None, None
+        return dgate, dup, None
 
 
 def glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
@@ -213,4 +215,5 @@ def glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
     for t in (gate, up):
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
-    return _GluFunction.apply(gate, up, gelu, in_place, reference)
+    settings = (gelu, in_place, reference, registry.forced("geglu" if gelu else "swiglu"))
+    return _GluFunction.apply(gate, up, settings)

@@ -28,6 +28,9 @@ import triton.language as tl
 
 from .. import registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
+from .launch import Kernel
+from .norm_tuning import BACKWARD as _BACKWARD
+from .norm_tuning import FORWARD as _FORWARD
 
 __all__ = ["MAX_FUSED", "layer_norm", "rms_norm"]
 
@@ -193,108 +196,25 @@ def _bwd_chunked_kernel(
                 tl.store(part, tl.load(part, mask=col_ok, other=0.0) + dy, mask=col_ok)
 
 
-# Launch configurations. The tuner (autotune.py) times these candidates once per bucket — the row width rounded up
-# to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
-# list is the hand-tuned heuristic, used as it is where nothing can be timed. Programs per multiprocessor only go
-# down from the heuristic: the weight-gradient partial sums (programs x n x 4 bytes) never grow past its size.
-_ROWS = (256, 65536)  # row-count buckets: 256, 1024, 4096, 16384, 65536 and more
-_MAX_WARPS = 32
-
-
-def _fwd_heuristic(block_n: int) -> tuple[int, int]:
-    """(BLOCK_M, num_warps) for rows of ``block_n`` columns held whole in registers."""
-    block_m = max(1, min(32, 2048 // block_n))  # short rows: a few KiB per program
-    tile = block_m * block_n
-    return block_m, 4 if tile <= 2048 else 8 if tile <= 8192 else 16
-
-
-def _fwd_candidates(block_n: int, rows: int) -> list[autotune.Config]:
-    m, w = _fwd_heuristic(block_n)
-    return autotune.distinct([
-        {"BLOCK_M": m, "num_warps": w},
-        {"BLOCK_M": m, "num_warps": max(1, w // 2)},
-        {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2)},
-        {"BLOCK_M": max(1, m // 2), "num_warps": w},
-        {"BLOCK_M": m * 2, "num_warps": w},
-        {"BLOCK_M": m * 2, "num_warps": min(_MAX_WARPS, w * 2)},
-    ])
-
-
-def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, programs per multiprocessor) for the persistent backward."""
-    if 2048 <= block_n <= 8192:
-        # H100, 8192 x 4096 bf16, best of 36 settings: RMSNorm 4 rows x 16 warps, 1 program per SM, 0.085 ms;
-        # LayerNorm 2 rows x 8 warps, 1 per SM, 0.101 ms (best 0.100). One program per SM also keeps the
-        # partial weight gradients small (132 x 4096 x 4 bytes = 2.1 MiB per parameter).
-        return (min(4, 16384 // block_n), 16, 1) if is_rms else (min(2, 8192 // block_n), 8, 1)
-    block_m, num_warps = _fwd_heuristic(block_n)
-    per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
-    return block_m, num_warps, per_sm
-
-
-def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
-    def candidates(block_n: int, rows: int) -> list[autotune.Config]:
-        m, w, p = _bwd_heuristic(block_n, is_rms)
-        return autotune.distinct([
-            {"BLOCK_M": m, "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m, "num_warps": max(1, w // 2), "per_sm": p},
-            {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2), "per_sm": p},
-            {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m * 2, "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m, "num_warps": w, "per_sm": p // 2} if p > 1 else
-            {"BLOCK_M": max(1, m // 2), "num_warps": max(1, w // 2), "per_sm": p},
-        ])
-
-    return candidates
-
-
-def _fwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
-    return [{"BLOCK_N": c, "num_warps": w} for c, w in ((4096, 8), (4096, 4), (4096, 16), (2048, 4), (8192, 8),
-                                                         (8192, 16))]
-
-
-def _bwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
-    return [{"BLOCK_N": c, "num_warps": w, "per_sm": p}
-            for c, w, p in ((4096, 8, 2), (4096, 4, 2), (4096, 16, 2), (2048, 8, 2), (8192, 8, 2), (4096, 8, 1))]
-
-
-def _bucket(m: int, n: int) -> tuple[int, int]:
-    return next_power_of_2(n), autotune.coarse(m, *_ROWS)
-
-
-_FIELDS = ("block_n", "rows")
-# (is_rms, fused) -> Tunable
-_FORWARD = {
-    (True, True): autotune.Tunable("rms_norm.forward", _FIELDS, _bucket, _fwd_candidates),
-    (False, True): autotune.Tunable("layer_norm.forward", _FIELDS, _bucket, _fwd_candidates),
-    (True, False): autotune.Tunable("rms_norm.forward_chunked", _FIELDS, _bucket, _fwd_chunked_candidates),
-    (False, False): autotune.Tunable("layer_norm.forward_chunked", _FIELDS, _bucket, _fwd_chunked_candidates),
-}
-_BACKWARD = {
-    (True, True): autotune.Tunable("rms_norm.backward", _FIELDS, _bucket, _bwd_candidates(True)),
-    (False, True): autotune.Tunable("layer_norm.backward", _FIELDS, _bucket, _bwd_candidates(False)),
-    (True, False): autotune.Tunable("rms_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
-    (False, False): autotune.Tunable("layer_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
-}
+_FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(_fwd_chunked_kernel)
+_BWD, _BWD_CHUNKED = Kernel(_bwd_kernel), Kernel(_bwd_chunked_kernel)
 
 
 def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,
                     bias: torch.Tensor | None, y: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor,
                     eps: float, offset: float, is_rms: bool) -> None:
     m, n = rows.shape
-    flags = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None)
     # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
     args = (rows, weight if weight is not None else rows, bias if bias is not None else rows, y,
             mean if mean is not None else rstd, rstd)
     if n <= MAX_FUSED:
         block_m = config["BLOCK_M"]
-        _fwd_kernel[(cdiv(m, block_m),)](
-            *args, m, n, rows.stride(0), n, eps, offset,
-            **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"],
-        )
+        _FWD.launch((cdiv(m, block_m),), *args, m, n, rows.stride(0), n, eps, offset, IS_RMS=is_rms,
+                    HAS_W=weight is not None, HAS_B=bias is not None, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
+                    num_warps=config["num_warps"])
     else:
-        _fwd_chunked_kernel[(m,)](*args, n, rows.stride(0), n, eps, offset, **flags,
-                                  BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        _FWD_CHUNKED.launch((m,), *args, n, rows.stride(0), n, eps, offset, IS_RMS=is_rms, HAS_W=weight is not None,
+                            HAS_B=bias is not None, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
@@ -329,12 +249,12 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd
     args = (rows, weight if weight is not None else rows, dy_rows, dx, mean if mean is not None else rstd, rstd,
             dw, db, m, n, rows.stride(0), dy_rows.stride(0), n, offset)
-    flags = dict(IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db)
     if fused:
-        _bwd_kernel[(programs,)](*args, **flags, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
-                                 num_warps=config["num_warps"])
+        _BWD.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
+                    WANT_DB=want_db, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"])
     else:
-        _bwd_chunked_kernel[(programs,)](*args, **flags, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        _BWD_CHUNKED.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
+                            WANT_DB=want_db, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
     return dw, db
 
 
@@ -359,23 +279,31 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None,
         scratch = args if dx is not dy else (rows, weight, dy_rows, torch.empty_like(dx), *args[4:])
         config = tunable.tune(device, rows.dtype, (m, n), lambda c: _launch_backward(c, *scratch))
     dw, db = _launch_backward(config, *args)
-    return dx, dw.sum(0) if want_dw else None, db.sum(0) if want_db else None
+    return dx, _total(dw) if want_dw else None, _total(db) if want_db else None
+
+
+def _total(partials: torch.Tensor) -> torch.Tensor:
+    """The sum over programs of per-program partial sums; a single program's row is the sum itself (no launch)."""
+    return partials.view(partials.shape[1]) if partials.shape[0] == 1 else partials.sum(0)
 
 
 class _NormFunction(torch.autograd.Function):
+    # One tuple of settings rather than six arguments: apply inspects every argument it is given.
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
-                offset: float, is_rms: bool, in_place: bool, reference: Callable[..., torch.Tensor]) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
+                settings: tuple[Any, ...]) -> torch.Tensor:
+        eps, offset, is_rms = settings[:3]
         y, mean, rstd, rows = _forward(x, weight, bias, eps, offset, is_rms)
         ctx.save_for_backward(rows, weight, bias, mean, rstd)
-        ctx.args = (x.shape, eps, offset, is_rms, in_place, reference,
-                    registry.forced("rms_norm" if is_rms else "layer_norm"))
+        ctx.settings = settings
+        ctx.shape = x.shape
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[Any, ...]:
         rows, weight, bias, mean, rstd = ctx.saved_tensors
-        shape, eps, offset, is_rms, in_place, reference, was_forced = ctx.args
+        eps, offset, is_rms, in_place, reference, was_forced = ctx.settings
+        shape = ctx.shape
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = bias is not None and ctx.needs_input_grad[2]
         try:
@@ -385,11 +313,11 @@ class _NormFunction(torch.autograd.Function):
             x = rows.view(shape)
             ref = (lambda x, w, b: reference(x, w, eps, offset)) if is_rms else (lambda x, w, b: reference(x, w, b, eps))
             dx, dw, db = registry.backward_fallback(op, "triton", exc, was_forced, ref, (x, weight, bias), (dy,))
-            return dx, dw, db, None, None, None, None, None
+            return dx, dw, db, None
         # A new view, never the incoming tensor itself: autograd then hands it on (or makes it a leaf's .grad)
         # without the copy it makes of a gradient that other references still hold.
         return (dx.view(shape), None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None, None, None, None, None)
+                None if db is None else db.to(bias.dtype), None)
 
 
 def _check_dtype(*tensors: torch.Tensor | None) -> None:
@@ -406,10 +334,12 @@ def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool,
              reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight)
-    return _NormFunction.apply(x, _dense(weight), None, eps, offset, True, in_place, reference)
+    settings = (eps, offset, True, in_place, reference, registry.forced("rms_norm"))
+    return _NormFunction.apply(x, _dense(weight), None, settings)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight, bias)
-    return _NormFunction.apply(x, _dense(weight), _dense(bias), eps, 0.0, False, False, reference)
+    settings = (eps, 0.0, False, False, reference, registry.forced("layer_norm"))
+    return _NormFunction.apply(x, _dense(weight), _dense(bias), settings)

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from .. import registry
 from . import autotune, cdiv, next_power_of_2
+from .launch import Kernel
 
 __all__ = ["rope"]
 
@@ -93,6 +94,9 @@ def _rope_kernel(Q, K, COS, SIN, QO, KO, S, HQ, HK, HALF,
     _rotate_heads(K, KO, b, s, s_ok, HK, HALF, k_sb, k_sh, k_ss, ko_sb, ko_sh, ko_ss, c1, c2, sa, sb, BLOCK_D)
 
 
+_ROPE = Kernel(_rope_kernel)
+
+
 def _unit_last(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] <= 1 else t.contiguous()
 
@@ -129,10 +133,10 @@ def _launch_kernel(config: autotune.Config, q: torch.Tensor, k: torch.Tensor, co
     block_s = max(1, min(config["BLOCK_S"], next_power_of_2(seq), 4096 // block_d))
     c_sb = cos.stride(0) if cos.shape[0] > 1 else 0
     s_sb = sin.stride(0) if sin.shape[0] > 1 else 0
-    _rope_kernel[(batch * cdiv(seq, block_s),)](
+    _ROPE.launch(
+        (batch * cdiv(seq, block_s),),
         q, k, cos, sin, q_out, k_out, seq, heads_q, k.shape[1], half,
-        *(q.stride(i) for i in range(3)), *(k.stride(i) for i in range(3)),
-        *(q_out.stride(i) for i in range(3)), *(k_out.stride(i) for i in range(3)),
+        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
         c_sb, cos.stride(1), s_sb, sin.stride(1),
         BACKWARD=backward, BLOCK_S=block_s, BLOCK_D=block_d, num_warps=config["num_warps"],
     )
@@ -141,17 +145,15 @@ def _launch_kernel(config: autotune.Config, q: torch.Tensor, k: torch.Tensor, co
 class _RopeFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                reference: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+                settings: tuple[Any, ...]) -> tuple[torch.Tensor, torch.Tensor]:
         ctx.save_for_backward(cos, sin)
-        ctx.reference = reference
-        ctx.shapes = (q.shape, q.dtype, k.shape, k.dtype)
-        ctx.was_forced = registry.forced("rope")
+        ctx.settings = (q.shape, q.dtype, k.shape, k.dtype, *settings)
         return _launch(q, k, cos, sin, backward=False)
 
     @staticmethod
     def backward(ctx: Any, dq: torch.Tensor | None, dk: torch.Tensor | None) -> tuple[Any, ...]:
         cos, sin = ctx.saved_tensors
-        q_shape, q_dtype, k_shape, k_dtype = ctx.shapes
+        q_shape, q_dtype, k_shape, k_dtype, reference, was_forced = ctx.settings
         dq = torch.zeros(q_shape, dtype=q_dtype, device=cos.device) if dq is None else dq
         dk = torch.zeros(k_shape, dtype=k_dtype, device=cos.device) if dk is None else dk
         try:
@@ -161,9 +163,8 @@ class _RopeFunction(torch.autograd.Function):
             # which needs only the shapes, not the saved inputs.
             q0 = torch.zeros_like(dq)
             k0 = torch.zeros_like(dk)
-            gq, gk, _, _ = registry.backward_fallback("rope", "triton", exc, ctx.was_forced, ctx.reference,
-                                                      (q0, k0, cos, sin),
-                                                      (dq, dk))
+            gq, gk, _, _ = registry.backward_fallback("rope", "triton", exc, was_forced, reference,
+                                                      (q0, k0, cos, sin), (dq, dk))
         return gq, gk, None, None, None
 
 
@@ -174,4 +175,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
     if cos.requires_grad or sin.requires_grad:
         raise registry.Unsupported("gradients with respect to cos and sin are computed by the reference only")
-    return _RopeFunction.apply(q, k, _unit_last(cos), _unit_last(sin), reference)
+    return _RopeFunction.apply(q, k, _unit_last(cos), _unit_last(sin), (reference, registry.forced("rope")))
