@@ -7,8 +7,17 @@ the bytes of the stored weight over that time (GB/s: the copy bandwidth of an H1
 the bf16 ``F.linear``, and the time of one dequantisation of the weight into bf16 (what prefill pays per layer
 before the dense matmul).
 
-Times are medians of ``triton.testing.do_bench`` over a CUDA graph of 20 calls, so the host's launch cost is not
-counted (in a model the decode step is replayed from one graph as well).
+Times are medians of ``triton.testing.do_bench`` over a CUDA graph of calls, so the host's launch cost is not
+counted (in a model the decode step is replayed from one graph as well), in two ways:
+
+* ``cold`` (the ``*_us`` fields): the graph cycles over copies of the weight (same values, other addresses) that
+  together exceed the 50 MB L2 at least 4 times, so every call reads its weight from DRAM, as in a decode step of a
+  model whose weights do not fit in L2; this is how the autotuner times (L2 cleared before each run);
+* ``warm`` (``*_warm_us``): 20 calls on one weight, which run partly from L2 for weights up to ~33 MB (the method
+  of the issue-24 table before this one).
+
+``--prefill-rows`` adds, per layer, one call of that many rows (eager, autotuned): bf16, and each format's choice
+(``*_prefill_kernel``: 4 = dequantise + matmul, 5 = the decode-in-prologue GEMM).
 
     PYTHONPATH=$PWD/src python3 benchmarks/bench_lowbit_kernels.py --json benchmarks/results/lowbit_kernels.json
 """
@@ -28,6 +37,7 @@ from bench_lowbit import capture  # noqa: E402
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
 FORMATS = ("int8", "fp8", "int4", "mxfp4", "nvfp4")
 _CALLS = 20
+_COLD_BYTES = 200 * 2**20  # 4x the H100's 50 MB L2
 
 
 def graph_ms(fn) -> float:
@@ -39,7 +49,32 @@ def graph_ms(fn) -> float:
     return triton.testing.do_bench(graph.replay, return_mode="median") / _CALLS
 
 
-def run(rows_list: list[int]) -> list[dict]:
+def cold_ms(fns) -> float:
+    """Median milliseconds of one call, from a CUDA graph of one call of each of ``fns`` (each on its own copy of
+    the weight, so that the copies together do not stay in L2)."""
+    import triton
+
+    for fn in fns:
+        fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for fn in fns:
+            fn()
+    return triton.testing.do_bench(graph.replay, return_mode="median") / len(fns)
+
+
+def copies(nbytes: int) -> int:
+    return max(2, min(64, -(-_COLD_BYTES // nbytes)))
+
+
+def eager_ms(fn) -> float:
+    import triton
+
+    fn()
+    return triton.testing.do_bench(fn, return_mode="median")
+
+
+def run(rows_list: list[int], prefill_rows: int | None) -> list[dict]:
     from torchport.kernels.triton import lowbit
     from torchport.quant.formats import get_format
 
@@ -47,33 +82,50 @@ def run(rows_list: list[int]) -> list[dict]:
     out = []
     for n, k in SHAPES:
         w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
+        ws = [w] + [w.clone() for _ in range(copies(w.numel() * 2) - 1)]
         packed = {}
         for name in FORMATS:
             fmt = get_format(name)
             group = fmt.group_size(None, k)
-            packed[name] = (group, {key: v.contiguous() for key, v in fmt.quantize(w, group).items()})
-        for m in rows_list:
+            t = {key: v.contiguous() for key, v in fmt.quantize(w, group).items()}
+            nbytes = sum(v.numel() * v.element_size() for v in t.values())
+            ts = [t] + [{key: v.clone() for key, v in t.items()} for _ in range(copies(nbytes) - 1)]
+            packed[name] = (group, ts, nbytes)
+        for m in rows_list + ([prefill_rows] if prefill_rows else []):
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            base = graph_ms(lambda: torch.nn.functional.linear(x, w))
-            row = {"n": n, "k": k, "m": m, "bf16_us": round(base * 1e3, 2), "bf16_GBs": round(n * k * 2 / base / 1e6)}
-            for name, (group, t) in packed.items():
-                nbytes = sum(v.numel() * v.element_size() for v in t.values())
+            prefill = m > lowbit.DECODE_ROWS
+            if prefill:
+                base = eager_ms(lambda: torch.nn.functional.linear(x, w))
+                row = {"n": n, "k": k, "m": m, "bf16_us": round(base * 1e3, 2)}
+            else:
+                base = cold_ms([lambda v=v: torch.nn.functional.linear(x, v) for v in ws])
+                warm = graph_ms(lambda: torch.nn.functional.linear(x, w))
+                row = {"n": n, "k": k, "m": m, "bf16_us": round(base * 1e3, 2), "bf16_GBs": round(n * k * 2 / base / 1e6),
+                       "bf16_warm_us": round(warm * 1e3, 2)}
+            for name, (group, ts, nbytes) in packed.items():
+                t = ts[0]
                 ref = torch.nn.functional.linear(x.float(), lowbit.dequantize(t, name, group, torch.float32))
                 got = lowbit.matmul(x, t, name, group, None).float()
                 row[f"{name}_rel_error"] = float((got - ref).norm() / ref.norm())
-                config = (lowbit._TUNED_GEMV if m == 1 else lowbit._TUNED)[name].lookup(
-                    x.device, x.dtype, *((n, k, group) if m == 1 else (m, n, k, group)))
+                tuned = lowbit._TUNED_GEMV if m == 1 else lowbit._TUNED_PREFILL if prefill else lowbit._TUNED
+                config = tuned[name].lookup(x.device, x.dtype, *((n, k, group) if m == 1 else (m, n, k, group)))
+                row[f"{name}_config"] = config
+                if prefill:
+                    ms = eager_ms(lambda: lowbit.matmul(x, t, name, group, None))
+                    row[f"{name}_us"] = round(ms * 1e3, 2)
+                    row[f"{name}_x"] = round(base / ms, 3)
+                    continue
                 row[f"{name}_kernel"] = None if config is None else config.get("KERNEL")
-                ms = graph_ms(lambda: lowbit.matmul(x, t, name, group, None))
+                ms = cold_ms([lambda t=t: lowbit.matmul(x, t, name, group, None) for t in ts])
                 row[f"{name}_us"] = round(ms * 1e3, 2)
                 row[f"{name}_GBs"] = round(nbytes / ms / 1e6)
                 row[f"{name}_x"] = round(base / ms, 3)
-                if m == rows_list[0]:
-                    deq = graph_ms(lambda: lowbit.dequantize(t, name, group, torch.bfloat16))
-                    row[f"{name}_dequantize_us"] = round(deq * 1e3, 2)
+                warm_ms = graph_ms(lambda: lowbit.matmul(x, t, name, group, None))
+                row[f"{name}_warm_us"] = round(warm_ms * 1e3, 2)
+                row[f"{name}_warm_x"] = round(warm / warm_ms, 3)
             out.append(row)
             print(json.dumps(row), flush=True)
-        del packed, w
+        del packed, w, ws
         torch.cuda.empty_cache()
     return out
 
@@ -84,9 +136,6 @@ def table(rows: list[dict]) -> str:
     for r in rows:
         cells = "".join(f"{r[f + '_us']:>9.1f} ({r[f + '_x']:.2f})" for f in FORMATS)
         lines.append(f"{r['n']:>7}x{r['k']:<6}{r['m']:>5}{r['bf16_us']:>9.1f}{cells}")
-    deq = [r for r in rows if f"{FORMATS[0]}_dequantize_us" in r]
-    lines.append("dequantise into bf16, us: " + "; ".join(
-        f"{r['n']}x{r['k']} " + ", ".join(f"{f} {r[f + '_dequantize_us']:.0f}" for f in FORMATS) for r in deq))
     return "\n".join(lines)
 
 
@@ -94,17 +143,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", default=None, help="comma-separated NxK, e.g. 4096x4096,1024x4096")
+    parser.add_argument("--prefill-rows", type=int, default=2048, help="0: no prefill row")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_lowbit_kernels.py times the CUDA kernels: it needs a CUDA GPU")
     if args.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(args.rows)
+    rows = run(args.rows, args.prefill_rows)
     print(table(rows))
     if args.json:
-        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": f"CUDA graph of "
-                f"{_CALLS} calls, triton do_bench median"}
+        meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": "cold: CUDA graph of one call per "
+                f"weight copy (>= {_COLD_BYTES >> 20} MB of copies); warm: CUDA graph of {_CALLS} calls on one weight; "
+                "prefill: eager; triton do_bench median"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)
 

@@ -3,7 +3,8 @@
 Implementations:
 
 * ``triton`` (CUDA/ROCm): up to 16 rows (decode) one fused kernel reads each weight byte once and decodes it in
-  registers; more rows (prefill) dequantise the weight in one Triton pass, then use the vendor matmul.
+  registers; more rows (prefill) take a tensor-core GEMM that decodes the weight tiles as it loads them, or
+  dequantise the weight in one Triton pass and use the vendor matmul, whichever the autotuner timed faster.
 * ``npu``: torch_npu's ``npu_weight_quant_batchmatmul`` for ``int8`` (per channel) and ``int4`` (per group, the
   codes repacked once by ``npu_convert_weight_to_int4pack``), fp16/bf16 activations. Its formula,
   ``x @ ((w + offset) * scale)`` with a ``(K, N)`` weight, is the int4 format's own, so the scales are passed as they
@@ -31,7 +32,6 @@ from .spec import OpSpec, randn
 __all__ = ["lowbit_linear"]
 
 Dequantize = Callable[[Mapping[str, torch.Tensor], torch.dtype], torch.Tensor]
-_DECODE_ROWS = 16  # the fused kernel's row limit: above it, dequantise once and use the dense matmul
 
 
 @registry.register_kernel("lowbit_matmul", "reference")
@@ -56,9 +56,7 @@ def _triton(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int
     from .triton import lowbit
 
     _triton_check(x, fmt, group)
-    if x.shape[0] <= _DECODE_ROWS:
-        return lowbit.matmul(x, dict(t), fmt, group, bias)
-    return F.linear(x, lowbit.dequantize(dict(t), fmt, group, x.dtype), bias)
+    return lowbit.matmul(x, dict(t), fmt, group, bias)
 
 
 def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,

@@ -15,7 +15,7 @@ from .formats import Format, get_format
 __all__ = ["QuantizedLinear"]
 
 _TENSORS = ("qweight", "scale", "offset", "global_scale")
-_DECODE_ROWS = 16  # up to this many rows the fused decode kernels read the codes; above it the dense weight is used
+_DECODE_ROWS = 16  # up to this many rows the fused decode kernels read the codes; above it the cache may apply
 
 
 class QuantizedLinear(nn.Module):
@@ -25,8 +25,9 @@ class QuantizedLinear(nn.Module):
     conversion of the module (``.half()``, ``.to(torch.bfloat16)``) changes the compute dtype and the bias only, never
     the stored codes. Build one from a layer with :meth:`from_linear` (what :func:`torchport.quantize` does).
 
-    Above 16 rows (prefill) the weight is dequantised into the compute dtype for each call and dropped after it, so
-    the layer holds only its codes. ``cache_dequantized = True`` keeps that dense weight between calls instead:
+    Above 16 rows (prefill) each call either decodes the weight tiles inside a tensor-core GEMM or dequantises the
+    weight into the compute dtype and drops it after the matmul (on CUDA the autotuner picks per shape), so the
+    layer holds only its codes. ``cache_dequantized = True`` keeps that dense weight between calls instead:
     prefill then runs at the dense matmul's speed, and the layer holds the codes plus a dense copy (bf16: 2 bytes per
     weight) from its first call of more than 16 rows until the flag is cleared or the layer is moved.
 

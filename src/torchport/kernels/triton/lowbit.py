@@ -5,17 +5,20 @@ int8/fp8 and about 4 GB in 4-bit formats, which is the whole speed-up low-bit we
 -> 1.3 ms per token at the H100's 3 TB/s). The kernels (:mod:`.lowbit_kernels`) read each code byte once and
 decode it in registers:
 
-* one row (batch-1 decode): a kernel on the CUDA cores, no split of K, codes read as int32 words and decoded with
-  few integer operations per code (``gemv_kernel``); the previous tiling (``gemv4_kernel``/``gemv8_kernel``) stays a
+* one row (batch-1 decode): a kernel on the CUDA cores, codes read as int32 words and decoded with few integer
+  operations per code (``gemv_kernel``), K split over ``SPLIT`` programs where the output features alone give
+  too few (the partials summed by the last program of each tile: :func:`.lowbit_decode.split_sum`), the next
+  tile's words loaded ahead (``PREFETCH``); the previous tiling (``gemv4_kernel``/``gemv8_kernel``) stays a
   candidate of the autotuner;
-* 2 to 16 rows: the autotuner picks per shape bucket among the tensor-core kernel (split-K with float32 atomics
-  when the output features alone give too few programs), the one-row kernel launched once for every row (the rows
-  of one weight block run side by side and share its bytes through L2), and dequantise + dense matmul;
-* more rows (prefill): the weight is dequantised into the activation dtype (one pass at ~2.4 TB/s) and the
-  vendor matmul does the rest (``QuantizedLinear.cache_dequantized`` keeps that weight between calls).
+* 2 to 16 rows: the autotuner picks per shape bucket among the decode-in-prologue tensor-core GEMM
+  (``gemm_kernel``, 16-row tiles, K split), the earlier tensor-core kernel, the one-row kernel launched once for
+  every row (up to 4 rows; the rows of one weight block share its bytes through L2), and dequantise + dense matmul;
+* more rows (prefill): ``gemm_kernel`` with large tiles, or the weight dequantised into the activation dtype (one
+  pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls).
 
-Launch configurations are autotuned per shape bucket (:mod:`.autotune`); ``KERNEL`` in a configuration names the
-kernel (``_GEMV``, ``_GEMV_TILED``, ``_MMA``, ``_ROWS``, ``_DENSE``).
+Launch configurations are autotuned per shape bucket (:mod:`.autotune`, which times each candidate with L2 cleared:
+a decode step reads every weight once, from DRAM); ``KERNEL`` in a configuration names the kernel (``_GEMV``,
+``_GEMV_TILED``, ``_MMA``, ``_ROWS``, ``_DENSE``, ``_GEMM``).
 """
 
 from __future__ import annotations
@@ -26,12 +29,15 @@ from typing import Any
 import torch
 
 from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count, next_power_of_2
-from .lowbit_kernels import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
+from .lowbit_decode import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
+from .lowbit_gemm import gemm_kernel
+from .lowbit_gemv import gemv_kernel
 
-__all__ = ["FORMAT_IDS", "dequantize", "matmul", "supports"]
+__all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
 
 _PER_CHANNEL = ("int8", "fp8")
-_GEMV, _GEMV_TILED, _MMA, _ROWS, _DENSE = range(5)  # the kernels a configuration can name (``KERNEL``)
+DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, prefill's
+_GEMV, _GEMV_TILED, _MMA, _ROWS, _DENSE, _GEMM = range(6)  # the kernels a configuration can name (``KERNEL``)
 
 
 def supports(fmt: str, group: int, k: int) -> str | None:
@@ -48,18 +54,41 @@ def _bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
 
 
 def _candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Config]:
-    """2-16 rows: the tensor-core kernel's output-feature block, K block and warps (the heuristic first; the K split
-    is derived at launch so that (n-blocks x splits) gives every multiprocessor about four programs), the one-row
-    kernel once per row, and dequantise + dense matmul."""
+    """2-16 rows: the decode-in-prologue GEMM (output-feature block, K block, warps, stages; the K split is derived
+    at launch so that (n-blocks x splits) gives every multiprocessor about four programs) with the heuristic first,
+    the earlier tensor-core kernel, the one-row kernel once per row (up to 4 rows: measured slower than the tensor
+    cores from 8 rows on, RESULTS.md), and dequantise + dense matmul."""
     configs = []
-    for block_n, block_k, warps in ((32, 256, 4), (16, 256, 4), (64, 128, 4), (32, 512, 8)):
-        configs.append({"KERNEL": _MMA, "BLOCK_N": block_n, "BLOCK_K": _block_k(fmt, block_k, k, group),
-                        "num_warps": warps})
-    if _words_fit(fmt, k) and m <= 4:  # measured slower than the tensor cores from 8 rows on (RESULTS.md)
-        for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4)):
+    for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
+                                            (64, 256, 8, 3)):
+        configs.append({"KERNEL": _GEMM, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": _gemm_block_k(fmt, block_k, k),
+                        "num_warps": warps, "num_stages": stages})
+    configs.append({"KERNEL": _MMA, "BLOCK_N": 32, "BLOCK_K": _block_k(fmt, 256, k, group), "num_warps": 4})
+    if _words_fit(fmt, k) and m <= 4:
+        for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4), (4, 128, 4)):
             configs.append({"KERNEL": _ROWS, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps})
     configs.append({"KERNEL": _DENSE})
     return autotune.distinct(configs)
+
+
+def _prefill_bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
+    return autotune.coarse(m, 32, 8192), next_power_of_2(n), next_power_of_2(k), group
+
+
+def _prefill_candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Config]:
+    """More than 16 rows: dequantise + the vendor matmul first (the baseline), then the decode-in-prologue GEMM's
+    tiles (rows, output features, K block, warps, stages; row tiles grouped by 8 for L2 reuse)."""
+    configs: list[autotune.Config] = [{"KERNEL": _DENSE}]
+    for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
+                                                     (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)):
+        configs.append({"KERNEL": _GEMM, "BLOCK_M": min(block_m, max(16, next_power_of_2(m))), "BLOCK_N": block_n,
+                        "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps, "num_stages": stages})
+    return autotune.distinct(configs)
+
+
+def _gemm_block_k(fmt: str, block_k: int, k: int) -> int:
+    """``gemm_kernel``'s K block: a power of two of at least 32 (every 4-bit group divides it or is divided by it)."""
+    return min(block_k, max(32, next_power_of_2(k)))
 
 
 def _gemv_bucket(n: int, k: int, group: int) -> tuple[int, int, int]:
@@ -79,15 +108,24 @@ def _words_fit(fmt: str, k: int) -> bool:
 
 
 def _gemv_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
-    """One row: ``gemv_kernel``'s output features and words per tile and warps (the heuristic first: small blocks of
-    features where they are few, so that every multiprocessor has programs), then the tiled kernel's."""
+    """One row: ``gemv_kernel``'s output features and words per tile, warps, K split and prefetch (the heuristic
+    first: small blocks of features where they are few, so that every multiprocessor has programs), then the tiled
+    kernel's. Split K where the output features give fewer than ~4 programs per multiprocessor (k/v and q/o
+    projections: 128-512 programs for 132 SMs) and along long rows (the down projection)."""
     configs = []
     if _words_fit(fmt, k):
-        shapes = ((4, 256, 4), (2, 256, 4), (8, 128, 4), (4, 128, 2)) if n <= 2048 else \
-            ((8, 128, 4), (16, 128, 4), (4, 256, 4), (8, 256, 8), (16, 64, 4))
+        if n <= 2048:
+            shapes = ((4, 256, 4, 1, 0), (4, 128, 4, 4, 0), (4, 128, 4, 2, 1), (2, 128, 4, 4, 0), (8, 64, 4, 8, 0),
+                      (4, 64, 2, 8, 0), (8, 128, 4, 4, 1), (8, 128, 4, 1, 0))
+        else:
+            shapes = ((8, 128, 4, 1, 0), (8, 128, 4, 1, 1), (8, 128, 4, 2, 0), (8, 128, 4, 4, 0), (4, 128, 4, 2, 1),
+                      (16, 128, 4, 1, 1), (16, 64, 4, 2, 1), (4, 256, 4, 1, 0), (8, 256, 8, 1, 1))
         words = max(1, k // (4 if fmt in _PER_CHANNEL else 8))
-        configs += [{"KERNEL": _GEMV, "BLOCK_N": block_n, "BLOCK_W": min(block_w, next_power_of_2(words)),
-                     "num_warps": warps} for block_n, block_w, warps in shapes]
+        for block_n, block_w, warps, split, prefetch in shapes:
+            block_w = min(block_w, next_power_of_2(words))
+            split = min(split, max(1, words // block_w))
+            configs.append({"KERNEL": _GEMV, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps,
+                            "SPLIT": split, "PREFETCH": prefetch})
     return autotune.distinct(configs + _tiled_candidates(fmt, n, k, group))
 
 
@@ -106,6 +144,8 @@ _TUNED = {fmt: autotune.Tunable(f"lowbit_matmul.{fmt}", ("m", "n", "k", "group")
                                 functools.partial(_candidates, fmt)) for fmt in FORMAT_IDS}
 _TUNED_GEMV = {fmt: autotune.Tunable(f"lowbit_gemv.{fmt}", ("n", "k", "group"), _gemv_bucket,
                                      functools.partial(_gemv_candidates, fmt)) for fmt in FORMAT_IDS}
+_TUNED_PREFILL = {fmt: autotune.Tunable(f"lowbit_prefill.{fmt}", ("m", "n", "k", "group"), _prefill_bucket,
+                                        functools.partial(_prefill_candidates, fmt)) for fmt in FORMAT_IDS}
 
 
 def _split_k(block_n: int, block_k: int, m_blocks: int, n: int, k: int, device: torch.device) -> int:
@@ -115,6 +155,25 @@ def _split_k(block_n: int, block_k: int, m_blocks: int, n: int, k: int, device: 
     while programs * split * 2 <= target and k // (split * 2) >= 4 * block_k:
         split *= 2
     return split
+
+
+_WORKSPACES: dict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """float32 partial sums (``parts`` values) and int32 tile counters (``tiles``, zero between launches) for a
+    split-K launch: one pair per size, kept for the process, so that CUDA graphs replaying a launch keep valid
+    addresses (launches of one size on concurrent streams would share it: decode runs on one stream). None while
+    a graph is being captured and the pair does not exist yet (its zero-fill would only run at replay)."""
+    key = (device, parts, tiles)
+    buffers = _WORKSPACES.get(key)
+    if buffers is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        buffers = (torch.empty(parts, dtype=torch.float32, device=device),
+                   torch.zeros(tiles, dtype=torch.int32, device=device))
+        _WORKSPACES[key] = buffers
+    return buffers
 
 
 def _as_bytes(fmt: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -137,6 +196,8 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
         return _launch_words(config, x, t, fmt, group, bias)
     if kernel == _DENSE:
         return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
+    if kernel == _GEMM:
+        return _launch_gemm(config, x, t, fmt, group, bias)
     m, k = x.shape
     q, scale = t["qweight"], t["scale"]
     n = q.shape[0]
@@ -158,22 +219,61 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
     return y.to(x.dtype) if atomic else y
 
 
+def _split_ranges(split: int, total: int, block: int) -> tuple[int, int]:
+    """(splits, elements per split): ``total`` cut into at most ``split`` ranges, each a multiple of ``block``."""
+    per = cdiv(cdiv(total, split), block) * block
+    return cdiv(total, per), per
+
+
+def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+    """``gemm_kernel``: the K split derived as for the tensor-core kernel (none for prefill's many row tiles)."""
+    m, k = x.shape
+    q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
+    n = q.shape[0]
+    block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
+    tiles = cdiv(m, block_m) * cdiv(n, block_n)
+    split, k_split = _split_ranges(_split_k(block_n, block_k, cdiv(m, block_m), n, k, x.device), k, block_k)
+    y = x.new_empty((m, n))
+    buffers = _workspace(x.device, split * m * n, tiles) if split > 1 else None
+    if buffers is None:
+        split, k_split = 1, k
+        buffers = (y, y)
+    gemm_kernel[(tiles, split)](
+        x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
+        *buffers, m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
+        FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, SPLIT=split,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type == "cpu",
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=config["num_warps"],
+        num_stages=config.get("num_stages", 3),
+    )
+    return y
+
+
 def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                   bias: torch.Tensor | None) -> torch.Tensor:
-    """``gemv_kernel``: one program per row of ``x`` and block of output features (rows fastest, so that the rows
-    of one block run side by side and read its codes from L2)."""
+    """``gemv_kernel``: one program per row of ``x``, block of output features and K range (rows fastest, so that
+    the rows of one block run side by side and read its codes from L2)."""
     m, k = x.shape
     q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
     n = q.shape[0]
     words = q.view(torch.int32)
+    n_words = words.shape[1]
     block_n, block_w = config["BLOCK_N"], config["BLOCK_W"]
+    split, w_split = _split_ranges(config.get("SPLIT", 1), n_words, block_w)
     y = x.new_empty((m, n))
-    even = n % block_n == 0 and words.shape[1] % block_w == 0
-    kernels.gemv_kernel[(m, cdiv(n, block_n))](
+    tiles = cdiv(n, block_n)
+    buffers = _workspace(x.device, split * m * n, m * tiles) if split > 1 else None
+    if buffers is None:
+        split, w_split = 1, n_words
+        buffers = (y, y)
+    even = n % block_n == 0 and n_words % w_split == 0 and w_split % block_w == 0
+    gemv_kernel[(m, tiles, split)](
         x, words, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
-        n, k, x.stride(0), words.stride(0), scale.stride(0), y.stride(0), MAGIC_BITS, SIGN_BITS,
-        FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, EVEN=even,
-        BLOCK_N=block_n, BLOCK_W=block_w, num_warps=config["num_warps"],
+        *buffers, m, n, k, w_split, x.stride(0), words.stride(0), scale.stride(0), y.stride(0), MAGIC_BITS,
+        SIGN_BITS, FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, EVEN=even,
+        SPLIT=split, PREFETCH=bool(config.get("PREFETCH", 0)), BLOCK_N=block_n, BLOCK_W=block_w,
+        num_warps=config["num_warps"],
     )
     return y
 
@@ -207,8 +307,8 @@ def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
 
 
 def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """``x @ dequantise(t).T + bias`` for 2-D ``x`` with a contiguous last dimension and up to 16 rows (the fused
-    decode kernels: one row on the CUDA cores; 2-16 rows as the autotuner chose for the shape).
+    """``x @ dequantise(t).T + bias`` for 2-D ``x`` with a contiguous last dimension: one row on the CUDA cores;
+    2-16 rows and more (prefill) as the autotuner chose for the shape.
 
     ``t`` holds the format's tensors (``qweight``, ``scale`` and, by format, ``offset`` / ``global_scale``), all
     contiguous; ``group`` is the format's group size (``in_features`` for per-channel formats).
@@ -216,16 +316,15 @@ def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch
     m, k = x.shape
     n = t["qweight"].shape[0]
     if m == 1:
-        tunable = _TUNED_GEMV[fmt]
-        config = tunable.lookup(x.device, x.dtype, n, k, group)
-        if config is None:
-            config = tunable.tune(x.device, x.dtype, (n, k, group), lambda c: _launch_gemv(c, x, t, fmt, group, bias))
-        return _launch_gemv(config, x, t, fmt, group, bias)
-    tunable = _TUNED[fmt]
-    config = tunable.lookup(x.device, x.dtype, m, n, k, group)
+        tunable, sizes, launch = _TUNED_GEMV[fmt], (n, k, group), _launch_gemv
+    elif m <= DECODE_ROWS:
+        tunable, sizes, launch = _TUNED[fmt], (m, n, k, group), _launch
+    else:
+        tunable, sizes, launch = _TUNED_PREFILL[fmt], (m, n, k, group), _launch
+    config = tunable.lookup(x.device, x.dtype, *sizes)
     if config is None:
-        config = tunable.tune(x.device, x.dtype, (m, n, k, group), lambda c: _launch(c, x, t, fmt, group, bias))
-    return _launch(config, x, t, fmt, group, bias)
+        config = tunable.tune(x.device, x.dtype, sizes, lambda c: launch(c, x, t, fmt, group, bias))
+    return launch(config, x, t, fmt, group, bias)
 
 
 def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> torch.Tensor:
