@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count, next_power_of_2
+from ..checks import capturing
 from .lowbit_decode import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
 from .lowbit_gemm import gemm_kernel
 from .lowbit_gemv import gemv_kernel
@@ -168,7 +169,7 @@ def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tens
     key = (device, parts, tiles)
     buffers = _WORKSPACES.get(key)
     if buffers is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        if capturing(device):
             return None
         buffers = (torch.empty(parts, dtype=torch.float32, device=device),
                    torch.zeros(tiles, dtype=torch.int32, device=device))
