@@ -40,7 +40,8 @@ def _variants() -> dict[str, dict[str, bool]]:
             "torchport-ce-only": {name: name == "cross_entropy" for name in fusions}}
 
 
-def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int) -> dict[str, Any]:
+def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int,
+            profile: int = 0) -> dict[str, Any]:
     import torch
 
     import torchport
@@ -55,7 +56,7 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
         forward = torch.compile(model, backend="torchport", options={"passes": _variants()[name]})
     elif name == "patched":
         torchport.patch(model)
-    result = llama_step.measure(model, forward, shape, device, steps, warmup)
+    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile)
     median_s = result["median_step_ms"] / 1e3
     result["compile_s"] = max(0.0, result["first_step_s"] - median_s) if result["first_step_s"] else None
     return {"contender": name, **result}

@@ -17,6 +17,7 @@ memory ≤ liger's, losses equal within bf16 tolerance.
 
     PYTHONPATH=/tmp/site:$PWD/src python3 benchmarks/bench_train_step.py             # H100: ~6 min
     python3 benchmarks/bench_train_step.py --small --device cpu --contenders eager,torchport   # smoke run
+    python3 benchmarks/bench_train_step.py --contenders torchport,torchport-compile --profile 25   # where time goes
 
 Results: a table on stdout and ``results/train_step.json`` (``--json``).
 """
@@ -34,7 +35,8 @@ CONTENDERS = ("eager", "liger", "inductor", "liger-inductor", "torchport", "torc
 LOSS_TOLERANCE = 2e-2  # |loss - eager's| per step: a few bf16 roundings of a loss near 12 (one ulp is 0.0625)
 
 
-def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int) -> dict[str, Any]:
+def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int,
+            profile: int = 0) -> dict[str, Any]:
     """Build, patch, (compile,) train ``warmup + steps`` steps, and measure; runs in its own process."""
     import torch
 
@@ -48,7 +50,7 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
     elif name.startswith("torchport"):
         torchport.patch(model)
     forward = torch.compile(model) if name in ("inductor", "liger-inductor", "torchport-compile") else model
-    result = llama_step.measure(model, forward, shape, device, steps, warmup)
+    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile)
     median_s = result["median_step_ms"] / 1e3
     result["compile_s"] = max(0.0, result["first_step_s"] - median_s) if result["first_step_s"] else None
     return {"contender": name, **result}
@@ -76,6 +78,12 @@ def main() -> None:
         diff = f"{r['max_loss_diff_vs_eager']:.4f}" if "max_loss_diff_vs_eager" in r else "-"
         print(f"| {r['contender']} | {r['median_step_ms']:.1f} | {r['tokens_per_s']:.0f} | {versus} | {peak} | "
               f"{r['losses'][0]:.4f} → {r['losses'][-1]:.4f} | {diff} |")
+    for r in rows:
+        if r.get("profile"):
+            print(f"\n{r['contender']}: the device kernels of one step, slowest first")
+            print("| kernel | ms | calls |\n|---|---|---|")
+            for name, ms, calls in r["profile"]:
+                print(f"| {name} | {ms:.2f} | {calls} |")
     tp = ok.get("torchport-compile")
     if tp is not None:
         lg = ok.get("liger")

@@ -47,8 +47,10 @@ def build(shape: dict[str, int], device_spec: str | None) -> tuple[Any, Any]:
 
 
 def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], device: Any, steps: int,
-            warmup: int) -> dict[str, Any]:
-    """Train ``warmup + steps`` AdamW steps through ``forward``; tokens/s and peak memory over the timed ones."""
+            warmup: int, profile: int = 0) -> dict[str, Any]:
+    """Train ``warmup + steps`` AdamW steps through ``forward``; tokens/s and peak memory over the timed ones.
+    With ``profile`` > 0, one more step runs under ``torch.profiler`` and the result lists its ``profile`` device
+    kernels that took the most time (name, ms, calls)."""
     import torch
 
     import torchport
@@ -88,6 +90,7 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
     losses += [float(t) for t in pending]
     peak = backend.memory_stats(index).get("peak_allocated") if device.type != "cpu" else None
     median = statistics.median(times)
+    kernels = _profile(step, batches[-1], device, profile) if profile > 0 else None
     return {
         "device": str(device),
         "device_name": backend.device_name(index),
@@ -96,7 +99,32 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
         "peak_gib": None if peak is None else peak / 2**30,
         "first_step_s": warm_times[0] if warm_times else None,
         "losses": losses,
+        **({"profile": kernels} if kernels is not None else {}),
     }
+
+
+def _profile(step: Callable[[Any], Any], tokens: Any, device: Any, top: int) -> list[tuple[str, float, int]]:
+    """The ``top`` device kernels of one more step by total time: ``(name, ms, calls)``, and the step's sum of
+    every kernel's time as ``("all kernels", ms, count)`` first."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import torchport
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(tokens)
+        torchport.synchronize(device)
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        entry = kernels.setdefault(event.name, [0.0, 0])
+        entry[0] += event.device_time / 1e3
+        entry[1] += 1
+    ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
+    total = ("all kernels", sum(v[0] for v in kernels.values()), int(sum(v[1] for v in kernels.values())))
+    return [total] + [(name[:120], ms, int(calls)) for name, (ms, calls) in ranked[:top]]
 
 
 def run_contenders(script: str, names: Sequence[str], extra: Sequence[str],
@@ -128,7 +156,7 @@ def report_one(result: dict[str, Any]) -> None:
 
 
 def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name: str,
-         run_one: Callable[[str, dict[str, int], str | None, int, int], dict[str, Any]]
+         run_one: Callable[[str, dict[str, int], str | None, int, int, int], dict[str, Any]]
          ) -> tuple[argparse.Namespace, dict[str, int], list[dict[str, Any]]] | None:
     """The command line both benchmarks share: parse it; with ``--one NAME`` (a child process) run that contender
     and return None; otherwise run the chosen contenders, one process each, and return the arguments, the shape
@@ -140,18 +168,20 @@ def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name:
     parser.add_argument("--warmup", type=int, default=3, help="untimed steps first, compilation included (default 3)")
     parser.add_argument("--contenders", default=",".join(default), help=f"subset of {','.join(contenders)}")
     parser.add_argument("--json", default=os.path.join(HERE, "results", json_name))
+    parser.add_argument("--profile", type=int, default=0, metavar="K",
+                        help="after timing, profile one more step and list its K slowest device kernels")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one contender in this process, print JSON
     args = parser.parse_args()
     shape = SMALL if args.small else FULL
     if args.one:
-        report_one(run_one(args.one, shape, args.device, args.steps, args.warmup))
+        report_one(run_one(args.one, shape, args.device, args.steps, args.warmup, args.profile))
         return None
     wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(wanted) - set(contenders))
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; valid: {', '.join(contenders)}")
-    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup)] + (["--small"] if args.small else []) + \
-        (["--device", args.device] if args.device else [])
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)] + \
+        (["--small"] if args.small else []) + (["--device", args.device] if args.device else [])
     return args, shape, run_contenders(sys.argv[0], wanted, extra, args.json + ".partial")
 
 

@@ -70,3 +70,75 @@ def test_compiled_patched_model_equals_eager(case, loss):
         expected = model(input_ids=inputs["input_ids"]).logits
         got = torch.compile(model, backend="aot_eager", fullgraph=True)(input_ids=inputs["input_ids"]).logits
     assert relative_error(got, expected) < 1e-6
+
+
+def _sdpa_calls(model, **inputs):
+    """``(has a mask tensor, is_causal)`` of each SDPA call in the graph dynamo traces for ``model(**inputs)``."""
+    explained = torch._dynamo.explain(model)(**inputs)
+    assert explained.graph_break_count == 0
+    calls = [node for graph in explained.graphs for node in graph.graph.nodes
+             if "scaled_dot_product_attention" in str(node.target)]
+    assert calls, "no SDPA call in the traced graph"
+    return {(node.kwargs.get("attn_mask", node.args[3] if len(node.args) > 3 else None) is not None,
+             node.kwargs.get("is_causal")) for node in calls}
+
+
+def test_compiled_causal_mask_is_left_to_sdpa_is_causal():
+    from transformers import masking_utils
+
+    inputs = batch(CPU)
+    model = build("llama", attention="sdpa")
+    unpatched = _sdpa_calls(model, input_ids=inputs["input_ids"])  # a mask tensor with torch < 2.14 (transformers)
+    torchport.patch(model)
+    assert _sdpa_calls(model, input_ids=inputs["input_ids"]) == {(False, True)}
+    # padding: the mask stays a tensor (its values decide it); causal_mask=False leaves transformers' choice
+    padding = torch.ones_like(inputs["input_ids"])
+    padding[0, :3] = 0
+    assert _sdpa_calls(model, input_ids=inputs["input_ids"], attention_mask=padding) == {(True, False)}
+    torchport.patch(model, causal_mask=False)
+    assert _sdpa_calls(model, input_ids=inputs["input_ids"]) == unpatched
+    torchport.patch(model)
+    torchport.unpatch(model)
+    assert masking_utils.ALL_MASK_ATTENTION_FUNCTIONS["sdpa"] is masking_utils.sdpa_mask
+    assert "sdpa" not in masking_utils.ALL_MASK_ATTENTION_FUNCTIONS._local_mapping
+
+
+def test_sdpa_mask_wrapper_skips_only_the_plain_causal_mask(monkeypatch):
+    from transformers import masking_utils
+
+    from torchport.models import ops
+
+    asked = []
+
+    class Table(dict):
+        pass
+
+    table = Table(sdpa=lambda **kwargs: asked.append(kwargs) or "mask")
+    wrapped = ops.make_sdpa_masks({}, table, masking_utils.causal_mask_function)["sdpa"]
+    plain = dict(batch_size=2, q_length=12, kv_length=12, q_offset=0, kv_offset=0,
+                 mask_function=masking_utils.causal_mask_function, attention_mask=None, allow_is_causal_skip=True)
+    assert wrapped(**plain) == "mask"  # eager mode: transformers decides
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert wrapped(**plain) is None
+    others = [dict(attention_mask=torch.ones(2, 12)), dict(kv_length=20), dict(q_length=1, kv_length=1),
+              dict(q_offset=4), dict(q_offset=torch.tensor(0)), dict(local_size=4), dict(allow_is_causal_skip=False),
+              dict(mask_function=masking_utils.and_masks(masking_utils.causal_mask_function))]
+    for change in others:
+        asked.clear()
+        assert wrapped(**{**plain, **change}) == "mask", change
+        assert asked and asked[0] == {**plain, **change}
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_compiled_sdpa_model_equals_eager(padded):
+    model = torchport.patch(build("llama", attention="sdpa"))
+    inputs = batch(CPU)
+    padding = torch.ones_like(inputs["input_ids"])
+    if padded:
+        padding[1, :4] = 0
+    eager_out, eager_grads = loss_and_grads(model, {**inputs, "attention_mask": padding})
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    out, grads = loss_and_grads(compiled, {**inputs, "attention_mask": padding})
+    assert relative_error(out.loss, eager_out.loss) < 1e-6
+    for name, grad in grads.items():
+        assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name

@@ -35,10 +35,11 @@ def config(case: str, **overrides: object) -> object:
     return transformers.AutoConfig.for_model(model_type, **{**COMMON, **extra, **overrides})
 
 
-def build(case: str, seed: int = 0, **overrides: object) -> torch.nn.Module:
-    """A causal LM of the case's family with eager attention, in float32 on the CPU, in training mode."""
+def build(case: str, seed: int = 0, attention: str = "eager", **overrides: object) -> torch.nn.Module:
+    """A causal LM of the case's family with ``attention`` (eager by default), in float32 on the CPU, in training
+    mode."""
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config(case, **overrides), attn_implementation="eager")
+    model = transformers.AutoModelForCausalLM.from_config(config(case, **overrides), attn_implementation=attention)
     with torch.no_grad():  # Gemma-style norm weights start at 0 (scale 1): move them off it so errors would show
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):

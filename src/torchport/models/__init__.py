@@ -39,7 +39,8 @@ __all__ = ["FAMILIES", "is_patched", "patch", "patch_transformers", "patched_fam
 logger = logging.getLogger("torchport")
 
 _MISSING = MISSING  # the name models pickled by earlier versions refer to
-_FLAGS = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy")
+_FLAGS = ("rms_norm", "rope", "swiglu", "geglu", "cross_entropy", "fused_linear_cross_entropy", "causal_mask")
+_MASKS = ("transformers.masking_utils", "ALL_MASK_ATTENTION_FUNCTIONS")  # the table of attention-mask functions
 _KERNELS = {"cross_entropy": "cross_entropy", "fused_linear_cross_entropy": "fused_linear_cross_entropy"}
 
 _lock = threading.RLock()
@@ -86,7 +87,7 @@ def _flags(given: dict[str, bool]) -> dict[str, bool]:
     if unknown:
         raise TypeError(f"torchport.patch: unknown flag(s) {unknown}; flags: {', '.join(_FLAGS)}")
     flags = {"rms_norm": True, "rope": True, "swiglu": True, "geglu": True, "cross_entropy": False,
-             "fused_linear_cross_entropy": True, **given}
+             "fused_linear_cross_entropy": True, "causal_mask": True, **given}
     from .. import kernels
 
     for flag, kernel in _KERNELS.items():
@@ -101,6 +102,25 @@ def _hold(owner: Any, attr: str, make: Callable[[Any], Any], holder: Any) -> Non
     """Patch a shared attribute once (``make(original)`` -> replacement) and count ``holder`` among its users."""
     with _lock:
         _shared.hold(owner, attr, make, holder)
+
+
+def _hold_shared(module_name: str, attr: str, holder: Any) -> bool:
+    """Hold one shared patch, named as a :class:`_Record` keeps it: ``(module, attr)`` is the family's rope
+    function, or :data:`_MASKS` for the SDPA mask (:func:`torchport.models.ops.make_sdpa_masks`, which wraps an
+    entry of that table, held through the table's own entries). False when this transformers has no such thing."""
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        return False
+    if (module_name, attr) != _MASKS:
+        _hold(module, attr, ops.make_rope, holder)
+        return True
+    interface = getattr(module, attr, None)
+    causal = getattr(module, "causal_mask_function", None)
+    if not isinstance(getattr(interface, "_local_mapping", None), dict) or causal is None or "sdpa" not in interface:
+        return False
+    _hold(interface, "_local_mapping", lambda table: ops.make_sdpa_masks(table, interface, causal), holder)
+    return True
 
 
 def _release(holder: Any) -> None:
@@ -156,9 +176,10 @@ class _Forward:
 
 class _Record:
     """What :func:`patch` changed on one model: a journal of the attributes it set (``(owner, attr, previous
-    value)``), and the shared attributes (rope: ``(module name, function name)``) it holds. Kept in the model's
-    ``__dict__``; a deep copy or an unpickled copy of the model (a reference model, an EMA copy, ``torch.load`` of a
-    saved one) is a patched model of its own, with its own record and holds."""
+    value)``), and the shared patches it holds (rope: ``(module name, function name)``; the SDPA mask:
+    :data:`_MASKS`). Kept in the model's ``__dict__``; a deep copy or an unpickled copy of the model (a reference
+    model, an EMA copy, ``torch.load`` of a saved one) is a patched model of its own, with its own record and
+    holds."""
 
     def __init__(self, model: nn.Module, journal: Journal, shared: list[tuple[str, str]]) -> None:
         self.journal, self.shared = journal, shared
@@ -176,7 +197,7 @@ class _Record:
 def _restore_record(model: nn.Module, saved: list[tuple[Any, str, Any]], shared: list[tuple[str, str]]) -> _Record:
     with _lock:
         for module_name, attr in shared:
-            _hold(importlib.import_module(module_name), attr, ops.make_rope, id(model))
+            _hold_shared(module_name, attr, id(model))
         return _Record(model, Journal(saved), list(shared))
 
 
@@ -210,7 +231,7 @@ def _forward_slot(module: nn.Module) -> str:
 
 
 def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool = True, geglu: bool = True,
-          cross_entropy: bool = False, fused_linear_cross_entropy: bool = True) -> Any:
+          cross_entropy: bool = False, fused_linear_cross_entropy: bool = True, causal_mask: bool = True) -> Any:
     """Run a transformers model's norms, gated MLPs, RoPE and loss through torchport kernels.
 
     The family comes from ``model.config.model_type`` (see :func:`supported`); PEFT wrappers are looked through.
@@ -229,6 +250,9 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             ``lm_head`` without logits (``output.logits`` is None then), soft-capped as the model soft-caps its
             logits (Gemma 2's ``final_logit_softcapping``); evaluation and generation are unchanged. Not applied
             to a LoRA-wrapped ``lm_head``.
+        causal_mask: under ``torch.compile``, a causal attention mask with no padding, no sliding window and no
+            cache offset is left to SDPA's ``is_causal`` instead of being built as a tensor, as transformers already
+            does in eager mode (:func:`torchport.models.ops.make_sdpa_masks`; shared by every model, like ``rope``).
 
     The losses are float32, as transformers' own. A patched model pickles, saves (``torch.save``) and
     deep-copies as a patched model: the copy runs the same kernels and is unpatched on its own.
@@ -240,7 +264,7 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
         >>> model = torchport.patch(AutoModelForCausalLM.from_config(config))
     """
     flags = _flags(dict(rms_norm=rms_norm, rope=rope, swiglu=swiglu, geglu=geglu, cross_entropy=cross_entropy,
-                        fused_linear_cross_entropy=fused_linear_cross_entropy))
+                        fused_linear_cross_entropy=fused_linear_cross_entropy, causal_mask=causal_mask))
     inner = _unwrap(model)
     family = _family(getattr(inner.config, "model_type", None))
     with _lock:
@@ -271,9 +295,10 @@ def patch(model: Any, *, rms_norm: bool = True, rope: bool = True, swiglu: bool 
             if flags["fused_linear_cross_entropy"]:
                 put(inner, _forward_slot(inner), _Forward(inner, _Recipe("causal_lm", model_type)))
         shared = []
-        if flags["rope"]:
-            _hold(importlib.import_module(family.module), family.rope, ops.make_rope, id(inner))
+        if flags["rope"] and _hold_shared(family.module, family.rope, id(inner)):
             shared.append((family.module, family.rope))
+        if flags["causal_mask"] and _hold_shared(*_MASKS, id(inner)):
+            shared.append(_MASKS)
         inner.__dict__["_torchport_patch"] = _Record(inner, journal, shared)
         logger.info("torchport.patch: %s (%s): %d norms, %d MLPs, flags %s", type(inner).__name__,
                     inner.config.model_type, counts["rms_norm"], counts["mlp"],
@@ -315,6 +340,8 @@ def patch_transformers(model_type: str | None = None, **flags: bool) -> list[str
                       lambda original: ops.make_mlp_forward(family.mlp, glus, original), holder)
             if flags["rope"]:
                 _hold(module, family.rope, ops.make_rope, holder)
+            if flags["causal_mask"]:
+                _hold_shared(*_MASKS, holder)
             lm_cls = _resolve(family, family.causal_lm)
             if flags["cross_entropy"]:
                 # The loss_function property returns self._loss_function when there is one; a staticmethod keeps

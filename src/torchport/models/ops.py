@@ -32,6 +32,7 @@ __all__ = [
     "make_mlp_forward",
     "make_norm_forward",
     "make_rope",
+    "make_sdpa_masks",
 ]
 
 IGNORE_INDEX = -100
@@ -110,6 +111,42 @@ def make_rope(original: Callable[..., tuple[torch.Tensor, torch.Tensor]]) -> Cal
 
     apply_rotary_pos_emb.__wrapped__ = original
     return apply_rotary_pos_emb
+
+
+def _plain_causal(kwargs: dict[str, Any], causal: Callable[..., Any]) -> bool:
+    """Whether an SDPA mask asked for with ``kwargs`` is the plain lower-triangular mask of a square score matrix,
+    which SDPA's ``is_causal=True`` computes without one: no padding mask, no sliding window, transformers' own
+    causal mask function, queries and keys of one fixed length, both starting at position 0."""
+    q_length, kv_length = kwargs.get("q_length"), kwargs.get("kv_length")
+    return (kwargs.get("allow_is_causal_skip", True) is True and kwargs.get("attention_mask") is None
+            and kwargs.get("local_size") is None and kwargs.get("mask_function") is causal
+            # plain ints only: a symbolic length (dynamic shapes, torch.export) must not be fixed by this choice
+            and type(q_length) is int and type(kv_length) is int and q_length == kv_length > 1
+            and type(kwargs.get("q_offset", 0)) is int and kwargs.get("q_offset", 0) == 0
+            and type(kwargs.get("kv_offset", 0)) is int and kwargs.get("kv_offset", 0) == 0)
+
+
+def make_sdpa_masks(table: dict[str, Callable[..., Any]], interface: Any, causal: Callable[..., Any]
+                    ) -> dict[str, Callable[..., Any]]:
+    """transformers' table of mask functions (``ALL_MASK_ATTENTION_FUNCTIONS``' own entries ``table``) with its
+    ``"sdpa"`` entry wrapped: under ``torch.compile``, a plain causal mask (:func:`_plain_causal`) is not built.
+
+    transformers leaves that mask to SDPA's ``is_causal=True`` in eager mode, but builds it as a tensor while dynamo
+    traces (``masking_utils._ignore_causal_mask_sdpa`` answers False when tracing, with the torch versions torchport
+    supports), and SDPA with an explicit mask runs 2.6x slower forward and backward on an H100 (benchmarks/RESULTS.md,
+    the compiled Llama train step). Everything else (padding, sliding windows, packed sequences, decoding with a
+    cache, eager mode) goes to transformers' function unchanged.
+    """
+    original = interface["sdpa"]
+
+    @functools.wraps(original)
+    def sdpa_mask(*args: Any, **kwargs: Any) -> Any:
+        if not args and torch.compiler.is_compiling() and _plain_causal(kwargs, causal):
+            return None
+        return original(*args, **kwargs)
+
+    sdpa_mask.__wrapped__ = original
+    return {**table, "sdpa": sdpa_mask}
 
 
 def _shifted_targets(labels: torch.Tensor | None, shift_labels: torch.Tensor | None,
