@@ -188,13 +188,19 @@ def _opcheck_cases():
         "cross_entropy_mean": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.1, "mean")),
         "cross_entropy_none": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.0, "none")),
         "cross_entropy_z_loss": (ops.cross_entropy.default, (r(4, 6), target, -100, 0.0, "sum", 1e-2)),
-        "fused_linear_cross_entropy_mean": (ops.fused_linear_cross_entropy.default,
-                                            (r(4, 5), r(6, 5), target, None, -100, 0.1, "mean", None, 0.0, None)),
+        "fused_linear_cross_entropy_mean": (
+            ops.fused_linear_cross_entropy.default,
+            (r(4, 5), r(6, 5), target, None, -100, 0.1, "mean", None, 0.0, None, [True, True, False, False])),
         "fused_linear_cross_entropy_bias_none": (
             ops.fused_linear_cross_entropy.default,
-            (r(4, 5), r(6, 5), target, r(6), -100, 0.0, "none", None, 1e-3, 5.0)),
-        "fused_linear_cross_entropy_divisor": (ops.fused_linear_cross_entropy.default,
-                                               (r(4, 5), r(6, 5), target, None, -100, 0.0, "sum", 7.0, 0.0, None)),
+            (r(4, 5), r(6, 5), target, r(6), -100, 0.0, "none", None, 1e-3, 5.0, [True, True, False, True])),
+        "fused_linear_cross_entropy_divisor": (
+            ops.fused_linear_cross_entropy.default,
+            (r(4, 5), r(6, 5), target, None, -100, 0.0, "sum", 7.0, 0.0, None, [True, True, False, False])),
+        "fused_linear_cross_entropy_frozen_head": (
+            ops.fused_linear_cross_entropy.default,
+            (r(4, 5), r(6, 5, grad=False), target, r(6), -100, 0.0, "mean", None, 0.0, 3.0,
+             [True, False, False, True])),
     }
 
 
@@ -302,4 +308,158 @@ def test_public_functions_compile_to_their_custom_op_with_no_graph_break(name):
     compiled, grads = outputs(torch.compile(spec.call, backend="aot_eager", fullgraph=True))
     for got, want in zip((*compiled, *grads), (*eager, *eager_grads)):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    torch._dynamo.reset()
+
+
+def _triton_on_the_host(monkeypatch, op, fn=None, backward=None):
+    """``op``'s triton implementation serving the CPU (Triton's interpreter runs it), with its functions or
+    replacements; the registry's choices are forgotten before and after."""
+    import dataclasses
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1" or not registry.implementation(op, "triton").backward:
+        pytest.skip("needs Triton's interpreter on the host (TRITON_INTERPRET=1) and the triton package")
+    impls = registry._implementations(op)
+    real = impls["triton"]
+    monkeypatch.setitem(impls, "triton", dataclasses.replace(
+        real, devices=frozenset({"cpu"}), fn=fn or real.fn, backward=backward or real.backward))
+    registry.refresh()
+    monkeypatch.setattr(registry, "_broken", {})
+
+
+@pytest.mark.parametrize("op", ["rms_norm", "swiglu"])
+def test_compiled_backward_runs_the_implementations_backward_not_the_forward_again(monkeypatch, op):
+    counts = {"forward": 0, "backward": 0}
+    real = registry.implementation(op, "triton")
+
+    def forward(*args):
+        counts["forward"] += 1
+        return real.fn(*args)
+
+    def backward(*args):
+        counts["backward"] += 1
+        return real.backward(*args)
+
+    _triton_on_the_host(monkeypatch, op, forward, backward)
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(3, 40, generator=g, dtype=torch.float64), torch.randn(40 if op == "rms_norm" else (3, 40),
+                                                                             generator=g, dtype=torch.float64)
+    call = (lambda x, y: ops.rms_norm(x, y, 1e-6, 0.0)) if op == "rms_norm" else ops.swiglu
+    reference = (lambda x, y: rms_norm_reference(x, y, 1e-6, 0.0)) if op == "rms_norm" else swiglu_reference
+    leaves = [a.float().requires_grad_(), b.float().requires_grad_()]
+    torch._dynamo.reset()
+    out = torch.compile(call, backend="aot_eager", fullgraph=True)(*leaves)
+    out.backward(torch.ones_like(out))
+    assert counts == {"forward": 1, "backward": 1}
+    ref_leaves = [a.clone().requires_grad_(), b.clone().requires_grad_()]
+    reference(*ref_leaves).sum().backward()
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+
+
+def test_a_refused_or_failing_implementation_backward_falls_back_to_the_recompute(monkeypatch):
+    calls = []
+
+    def refuses(grads, needs, *args):
+        calls.append("refused")
+        raise registry.Unsupported("not these arguments")
+
+    _triton_on_the_host(monkeypatch, "rms_norm", backward=refuses)
+    x, w = torch.randn(3, 16, requires_grad=True), torch.randn(16, requires_grad=True)
+    ops.rms_norm(x, w, 1e-6, 0.0).sum().backward()
+    assert calls == ["refused"]
+    expected = [t.grad.clone() for t in (x, w)]
+
+    def fails(grads, needs, *args):
+        calls.append("failed")
+        raise RuntimeError("an illegal memory access (forced failure)")
+
+    _triton_on_the_host(monkeypatch, "rms_norm", backward=fails)
+    x.grad = w.grad = None
+    with pytest.warns(RuntimeWarning, match="rms_norm: triton cannot run on cpu .*forced failure"):
+        ops.rms_norm(x, w, 1e-6, 0.0).sum().backward()
+    torch.testing.assert_close([x.grad, w.grad], expected)
+    with torchport.settings.override(kernels="rms_norm=triton"):
+        registry.refresh()
+        monkeypatch.setattr(registry, "_broken", {})
+        with pytest.raises(registry.KernelError, match="the backward of the forced implementation 'triton' failed"):
+            ops.rms_norm(x, w, 1e-6, 0.0).sum().backward()
+    registry.refresh()
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_fused_loss_compiled_computes_its_gradients_once_in_the_forward(monkeypatch, reduction):
+    """The fused loss's forward hands its gradients to the backward (which multiplies them by the upstream
+    gradient), so a compiled step runs the token pass once, as the eager path does; ``"none"`` weights rows in its
+    backward, which runs the op again."""
+    from torchport.kernels import linear_ce_passes
+
+    calls = []
+    token_pass = linear_ce_passes._pass_tokens
+    monkeypatch.setattr(linear_ce_passes, "_pass_tokens", lambda *a: calls.append(1) or token_pass(*a))
+    g = torch.Generator().manual_seed(3)
+    h64, w64, b64 = (torch.randn(s, generator=g, dtype=torch.float64) for s in ((6, 8), (13, 8), (13,)))
+    target = torch.tensor([1, 2, -100, 3, 12, 0])
+    up = torch.randn(6, generator=g, dtype=torch.float64) if reduction == "none" else torch.tensor(0.37).double()
+
+    def loss(h, w, b):
+        return torchport.kernels.fused_linear_cross_entropy(h, w, target, b, reduction=reduction, softcap=4.0,
+                                                            label_smoothing=0.1, loss_dtype=torch.float32)
+
+    leaves = [t.float().requires_grad_() for t in (h64, w64, b64)]
+    torch._dynamo.reset()
+    out = torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves)
+    out.backward(up.float())
+    assert len(calls) == (2 if reduction == "none" else 1)
+    ref_leaves = [t.clone().requires_grad_() for t in (h64, w64, b64)]
+    from torchport.kernels.fused_linear_cross_entropy import fused_linear_cross_entropy_reference
+
+    ref = fused_linear_cross_entropy_reference(*ref_leaves[:2], target, ref_leaves[2], reduction=reduction,
+                                               label_smoothing=0.1, softcap=4.0, loss_dtype=torch.float64)
+    ref.backward(up)
+    torch.testing.assert_close(out.double(), ref, rtol=1e-5, atol=1e-6)
+    for got, want in zip(leaves, ref_leaves):
+        torch.testing.assert_close(got.grad.double(), want.grad, rtol=1e-5, atol=1e-6)
+    with torch.no_grad():  # no gradient wanted: the loss alone
+        calls.clear()
+        torch.compile(loss, backend="aot_eager", fullgraph=True)(*leaves)
+        assert len(calls) == 1
+    torch._dynamo.reset()
+
+
+def test_fused_loss_op_refuses_a_gradient_it_was_not_asked_for():
+    h, w = torch.randn(3, 4, requires_grad=True), torch.randn(5, 4, requires_grad=True)
+    with pytest.raises(ValueError, match="a gradient is needed for weight, which the forward was not asked"):
+        ops.fused_linear_cross_entropy(h, w, torch.tensor([0, 1, 2]), None, -100, 0.0, "mean", None, 0.0, None,
+                                       [True, False, False, False])
+
+
+def test_fused_loss_divides_by_a_tensor_count_on_the_device_when_compiled():
+    """HF Trainer's ``num_items_in_batch`` tensor is not read on the host in a compiled graph: no graph break, the
+    same loss and gradients as the eager path (which reads it), NaN for a count of 0 (never a finite loss)."""
+    g = torch.Generator().manual_seed(4)
+    h, w = torch.randn(6, 8, generator=g), torch.randn(13, 8, generator=g)
+    target = torch.tensor([1, 2, -100, 3, 12, 0])
+
+    def loss(h, w, count):
+        return torchport.kernels.fused_linear_cross_entropy(h, w, target, num_items_in_batch=count,
+                                                            loss_dtype=torch.float32)
+
+    eager_leaves = [t.clone().requires_grad_() for t in (h, w)]
+    expected = loss(*eager_leaves, torch.tensor(7))
+    expected.backward()
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(loss)(h, w, torch.tensor(7))
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    leaves = [t.clone().requires_grad_() for t in (h, w)]
+    compiled = torch.compile(loss, backend="aot_eager", fullgraph=True)
+    got = compiled(*leaves, torch.tensor(7))
+    got.backward()
+    torch.testing.assert_close(got, expected)
+    for a, b in zip(leaves, eager_leaves):
+        torch.testing.assert_close(a.grad, b.grad)
+    assert torch.isnan(compiled(h, w, torch.tensor(0)))
+    with pytest.raises(ValueError, match="num_items_in_batch must be > 0, got 0"):
+        loss(h, w, 0)
     torch._dynamo.reset()

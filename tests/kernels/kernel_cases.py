@@ -45,6 +45,21 @@ def call(op: str, name: str, *args: Any) -> Any:
             pytest.skip(f"{op}: {name} refuses these arguments on {device} ({exc})")
 
 
+def call_backward(op: str, name: str, grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], *args: Any) -> Any:
+    """Run implementation ``name``'s own backward of ``op`` (what a compiled graph's
+    ``torch.ops.torchport.<op>_backward`` runs: gradients from the forward's arguments alone) directly, forced;
+    skipped where it has none (that implementation's compiled backward is the recompute one) or cannot run."""
+    impl = registry.implementation(op, name)
+    if impl.backward is None:
+        pytest.skip(f"{op}: {name} has no backward of its own (a compiled graph recomputes its forward)")
+    device = next(a.device for a in args if isinstance(a, torch.Tensor))
+    reason = impl.unavailable_reason(device) if impl.serves(device.type) else None
+    if reason is not None:
+        pytest.skip(f"{op}: {name} cannot run on {device} ({reason})")
+    with forced(name), torch.no_grad():
+        return impl.backward(grads, needs, *args)
+
+
 def needs_dtype(device: torch.device, dtype: torch.dtype) -> None:
     """Skip where ``device`` does not compute in ``dtype`` (bfloat16 on an Ascend910A or 310P, by the dtype probe)."""
     if not get_backend(device.type).dtype_works(dtype, device.index or 0):

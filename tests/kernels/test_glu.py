@@ -6,7 +6,7 @@ import torch
 import torchport
 from torchport.kernels.glu import geglu_reference, swiglu_reference
 
-from kernel_cases import call, check_close, gradients, leaf, on_chip
+from kernel_cases import call, call_backward, check_close, gradients, leaf, on_chip
 
 SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
 REFERENCES = {"swiglu": swiglu_reference, "geglu": geglu_reference}
@@ -34,6 +34,20 @@ def test_forward_backward_against_float64(op, shape, device, dtype, impl):
     check_close("out", out, ref, dtype)
     check_close("dgate", dgate, ref_dgate, dtype)
     check_close("dup", dup, ref_dup, dtype)
+
+
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_compiled_graph_backward_from_inputs(op, shape, device, dtype, impl):
+    """The implementation's backward for ``torch.ops.torchport.<op>``: new gradients, the inputs left as they are."""
+    _skip_missing(op, impl)
+    inputs, dout, _, (ref_dgate, ref_dup) = _case(op, shape, device, dtype)
+    gate, up = (t.detach() for t in inputs)
+    before = (gate.clone(), up.clone())
+    dgate, dup = call_backward(op, impl, (dout,), (True, True), gate, up)
+    check_close("dgate", dgate, ref_dgate, dtype)
+    check_close("dup", dup, ref_dup, dtype)
+    assert torch.equal(gate, before[0]) and torch.equal(up, before[1])
 
 
 @pytest.mark.parametrize("op", ["swiglu", "geglu"])

@@ -6,7 +6,7 @@ import torch
 import torchport
 from torchport.kernels.rms_norm import rms_norm_reference
 
-from kernel_cases import call, check_close, gradients, leaf, on_chip
+from kernel_cases import call, call_backward, check_close, gradients, leaf, on_chip
 
 SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
 
@@ -30,6 +30,27 @@ def test_forward_backward_against_float64(shape, offset, device, dtype, impl):
     check_close("y", y, ref, dtype)
     check_close("dx", dx, ref_dx, dtype)
     check_close("dw", dw, ref_dw, dtype)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("offset", [0.0, 1.0], ids=["llama", "gemma"])
+def test_compiled_graph_backward_from_inputs(shape, offset, device, dtype, impl):
+    """The implementation's backward for ``torch.ops.torchport.rms_norm`` (no statistics saved by the forward)."""
+    (x, w, dy), (_, ref_dx, ref_dw) = _case(shape, device, dtype, offset)
+    dx, dw = call_backward("rms_norm", impl, (dy,), (True, True), x.detach(), w.detach(), 1e-6, offset)
+    check_close("dx", dx, ref_dx, dtype)
+    check_close("dw", dw, ref_dw, dtype)
+    assert dw.dtype == w.dtype
+    # the weight's gradient only when asked; an expanded upstream gradient (what .sum() sends) and a transposed x
+    up = torch.full((), 0.75, dtype=torch.float64)
+    _, (ref_dx, _) = gradients(lambda a, b: rms_norm_reference(a, b, 1e-6, offset),
+                               [x.detach().double().requires_grad_(), w.detach().double().requires_grad_()],
+                               [up.expand(shape)])
+    x_t = x.detach().transpose(0, -1).contiguous().transpose(0, -1)
+    dx, dw = call_backward("rms_norm", impl, (up.to(device, dtype).expand(shape),), (True, False), x_t, w.detach(),
+                           1e-6, offset)
+    assert dw is None
+    check_close("dx", dx, ref_dx, dtype)
 
 
 def test_non_contiguous_input(device, dtype, impl):

@@ -142,3 +142,17 @@ def test_compiled_sdpa_model_equals_eager(padded):
     assert relative_error(out.loss, eager_out.loss) < 1e-6
     for name, grad in grads.items():
         assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name
+
+
+def test_trainer_token_count_tensor_compiles_without_a_graph_break():
+    """Hugging Face Trainer passes ``num_items_in_batch`` as a tensor under gradient accumulation: the compiled
+    patched model divides by it on the device (no host read, no graph break) and matches the eager patched model."""
+    model = torchport.patch(build("llama", attention="sdpa"))
+    inputs = {**batch(CPU), "num_items_in_batch": torch.tensor(17)}
+    explained = torch._dynamo.explain(model)(**inputs)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    eager_out, eager_grads = loss_and_grads(model, inputs)
+    out, grads = loss_and_grads(torch.compile(model, backend="aot_eager", fullgraph=True), inputs)
+    assert relative_error(out.loss, eager_out.loss) < 1e-6
+    for name, grad in grads.items():
+        assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name

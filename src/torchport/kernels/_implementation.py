@@ -44,6 +44,10 @@ class Implementation:
         priority: the highest-priority implementation serving a device is chosen in auto mode.
         requires: returns why the implementation cannot run on a device (a library or vendor operator is
             missing), or None when it can; checked once per device type.
+        backward: ``(grads, needs, *args) -> gradients``, the backward of ``torch.ops.torchport.<op>`` (compiled
+            graphs) with this implementation, from the forward's arguments alone (one upstream gradient per output;
+            one gradient per tensor argument, None where ``needs`` is False); None: the custom op's backward runs
+            the forward again with autograd (:mod:`torchport.kernels.library`).
     """
 
     op: str
@@ -52,6 +56,7 @@ class Implementation:
     devices: frozenset[str] | None
     priority: int
     requires: Callable[[torch.device], str | None] | None = None
+    backward: Callable[..., Any] | None = None
 
     def serves(self, device_type: str) -> bool:
         return self.devices is None or device_type in self.devices

@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from . import registry
-from ._autograd import vjp
-from .checks import check_floating, check_same_device, check_same_dtype, widen
+from ._autograd import autograd_enabled, vjp
+from .checks import capturing, check_floating, check_same_device, check_same_dtype, widen
 from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
                             mark_bad_targets, per_row_losses)
 from .linear_ce_passes import RESCALE_MARGIN, TORCH_MATH, WORKSPACE_BYTES, Blocks, blocks, triton_math, two_pass, \
@@ -107,7 +107,9 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         ignore_index, label_smoothing: as ``F.cross_entropy``.
         reduction: ``"mean"`` (over non-ignored tokens; 0 when all are ignored), ``"sum"`` or ``"none"``.
         num_items_in_batch: when given (Hugging Face Trainer under gradient accumulation), the loss is the sum
-            over this call's tokens divided by it, whatever ``reduction`` (``"mean"`` or ``"sum"``) says.
+            over this call's tokens divided by it, whatever ``reduction`` (``"mean"`` or ``"sum"``) says. A tensor
+            is read on the host (a count ≤ 0 is an error) except while torch.compile traces or a graph is
+            captured, where it divides on the device and a count ≤ 0 makes the loss NaN.
         z_loss: weight of ``lse²`` added to each non-ignored token's loss (as :func:`cross_entropy`).
         softcap: when given, the logits are ``softcap · tanh(logits / softcap)`` (Gemma 2's
             ``final_logit_softcapping``), with that function's derivative in the gradients.
@@ -145,24 +147,34 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"{op}: softcap={softcap!r} must be a number > 0, or None for no soft-capping")
     if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
         raise TypeError(f"{op}: loss_dtype={loss_dtype!r} must be a floating dtype (torch.float32, ...) or None")
-    divisor = None
+    divisor = count = None
     if num_items_in_batch is not None:
         if reduction == "none":
             raise ValueError(f"{op}: num_items_in_batch divides a summed loss; it cannot be used with reduction='none'")
-        divisor = float(num_items_in_batch)
-        if not divisor > 0:
-            raise ValueError(f"{op}: num_items_in_batch must be > 0, got {num_items_in_batch}")
+        if isinstance(num_items_in_batch, torch.Tensor) and capturing(hidden.device):
+            # No host read while torch.compile traces or a graph is captured: the summed loss is divided on the
+            # device below (its gradients then take the factor with the upstream gradient), NaN unless it is > 0.
+            count, reduction = num_items_in_batch, "sum"
+        else:
+            divisor = float(num_items_in_batch)
+            if not divisor > 0:
+                raise ValueError(f"{op}: num_items_in_batch must be > 0, got {num_items_in_batch}")
     rows, flat = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
     flat, bad = check_targets(op, flat, vocab, ignore_index)
     softcap = None if softcap is None else float(softcap)
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        # which gradients its forward computes (with the loss, as the eager path does): known when tracing
+        wanted = [torch.is_grad_enabled() and t is not None and t.requires_grad for t in (rows, weight, flat, bias)]
         loss = registry.custom_op(op)(rows, weight, flat, bias, int(ignore_index), float(label_smoothing), reduction,
-                                      divisor, float(z_loss), softcap)
-        loss = loss.to(loss_dtype or hidden.dtype)
+                                      divisor, float(z_loss), softcap, wanted)[0]
     else:
         loss = registry.call(op, hidden.device, rows, weight, flat, bias, int(ignore_index), float(label_smoothing),
-                             reduction, divisor, None, float(z_loss), softcap, loss_dtype)
-    loss = mark_bad_targets(loss, bad, reduction)
+                             reduction, divisor, None, float(z_loss), softcap,
+                             loss_dtype if count is None else loss_dtype_of(hidden))
+    if count is not None:
+        count = count.to(device=loss.device, dtype=loss.dtype)
+        loss = torch.where(count > 0, loss / count, torch.full_like(loss, float("nan")))
+    loss = mark_bad_targets(loss.to(loss_dtype or hidden.dtype), bad, reduction)
     return loss.view(target.shape) if reduction == "none" else loss
 
 
@@ -210,21 +222,46 @@ def _op_loss(target: torch.Tensor, bias: torch.Tensor | None, ignore_index: int,
     return loss
 
 
-def _op_forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+def _op_forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
+                wanted):
+    """The loss, then its gradients with respect to hidden, weight, target (never) and bias for an upstream gradient
+    of 1, those of ``wanted`` computed with it (the two passes' gradients; autograd through the logits for the
+    reference), the others empty. ``"none"`` computes none: its backward weights each row (:func:`_op_backward`)."""
     check_reduction("fused_linear_cross_entropy", reduction)
-    return _op_loss(target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
-                    loss_dtype_of(hidden))(hidden, weight)
+    fn = _op_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
+                  loss_dtype_of(hidden))
+    inputs = (hidden, weight, bias)
+    wanted = [bool(wanted[0]), bool(wanted[1]), bias is not None and bool(wanted[3])]
+
+    def empty():  # one of its own for each output (a custom op's outputs may not alias each other)
+        return hidden.new_empty(0)
+
+    if reduction == "none" or not any(wanted):
+        return fn(hidden, weight, bias), empty(), empty(), target.new_empty(0), empty()
+    with autograd_enabled():
+        leaves = [None if t is None else t.detach().requires_grad_(w) for t, w in zip(inputs, wanted)]
+        loss = fn(*leaves)
+        found = iter(torch.autograd.grad(loss, [t for t in leaves if t is not None and t.requires_grad]))
+    grads = [next(found) if w else empty() for w in wanted]
+    return loss.detach(), grads[0], grads[1], target.new_empty(0), grads[2]
 
 
-def _op_fake(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap):
+def _op_fake(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
+             wanted):
     check_reduction("fused_linear_cross_entropy", reduction)
-    return hidden.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(hidden))
+    loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(hidden))
+    computed = reduction != "none"
+
+    def grad(t, want):
+        return torch.empty_like(t) if computed and t is not None and want else hidden.new_empty(0)
+
+    return loss, grad(hidden, wanted[0]), grad(weight, wanted[1]), target.new_empty(0), grad(bias, wanted[3])
 
 
 def _op_backward(grads, needs, hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor,
-                 z_loss, softcap):
-    """The op again with autograd on the saved hidden states and weight (its forward computes the gradients in its
-    two passes), so a compiled graph pays the forward twice; the eager path pays it once."""
+                 z_loss, softcap, wanted):
+    """``reduction="none"`` (the other reductions' gradients come from the forward): the op again with autograd on
+    the saved hidden states and weight, its first pass paid twice in a compiled graph."""
     fn = _op_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
                   loss_dtype_of(hidden))
     with_bias = bias is not None
@@ -250,6 +287,7 @@ SPEC = registry.register_op(OpSpec(
     bytes_moved=lambda hidden, weight, target: 2 * (hidden.numel() + weight.numel()) * hidden.element_size(),
     flops=lambda hidden, weight, target: 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0],
     custom_op=CustomOp("(Tensor hidden, Tensor weight, Tensor target, Tensor? bias, int ignore_index, "
-                       "float label_smoothing, str reduction, float? divisor, float z_loss, float? softcap) -> Tensor",
-                       like=None, fake=_op_fake, forward=_op_forward, backward=_op_backward),
+                       "float label_smoothing, str reduction, float? divisor, float z_loss, float? softcap, "
+                       "bool[] wanted) -> (Tensor, Tensor, Tensor, Tensor, Tensor)",
+                       like=None, fake=_op_fake, forward=_op_forward, backward=_op_backward, precomputed=True),
 ))

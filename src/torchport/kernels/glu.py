@@ -33,14 +33,24 @@ def geglu_reference(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False
     return (F.gelu(widen(gate), approximate="tanh") * widen(up)).to(gate.dtype)
 
 
-@registry.register_kernel("swiglu", "triton", devices=["cuda"], priority=20)
+def _triton_backward(gelu: bool):
+    def backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], gate: torch.Tensor,
+                 up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        from .triton import glu
+
+        return glu.backward(grads[0], gate, up, gelu)
+
+    return backward
+
+
+@registry.register_kernel("swiglu", "triton", devices=["cuda"], priority=20, backward=_triton_backward(False))
 def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     from .triton import glu
 
     return glu.glu(gate, up, False, in_place, swiglu_reference)
 
 
-@registry.register_kernel("geglu", "triton", devices=["cuda"], priority=20)
+@registry.register_kernel("geglu", "triton", devices=["cuda"], priority=20, backward=_triton_backward(True))
 def _geglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
     from .triton import glu
 

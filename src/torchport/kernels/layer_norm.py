@@ -28,7 +28,15 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor | None, bias: tor
     return F.layer_norm(x, (x.shape[-1],), weight, bias, eps)
 
 
-@registry.register_kernel("layer_norm", "triton", devices=["cuda"], priority=20)
+def _layer_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], x: torch.Tensor,
+                                weight: torch.Tensor | None, bias: torch.Tensor | None,
+                                eps: float) -> tuple[torch.Tensor | None, ...]:
+    from .triton import norm
+
+    return norm.backward(grads[0], x, weight, bias, eps, 0.0, False, needs[1], needs[2])
+
+
+@registry.register_kernel("layer_norm", "triton", devices=["cuda"], priority=20, backward=_layer_norm_triton_backward)
 def _layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        eps: float) -> torch.Tensor:
     from .triton import norm

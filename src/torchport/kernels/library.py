@@ -16,13 +16,16 @@ argument, and the *recompute* backward. The backward's schema is the forward's a
 what the backward does not need is not saved) after ``Tensor[] grads`` (one per output) and ``bool[] needs`` (which
 tensor arguments want a gradient), and it returns one tensor per tensor argument, empty where none is wanted.
 
-Backward:
+Backward, chosen per call like the forward:
 
-* *recompute*: ``torchport::<op>_backward`` runs the kernel's forward again on detached copies of the saved inputs,
-  with autograd, and differentiates it. The kernel's own backward runs (Triton's fused backward on CUDA, the vendor
-  operator's on Ascend, autograd through the reference elsewhere), chosen per device at run time like the forward,
-  for the price of one more forward: RMSNorm moves 7·M·N·s bytes instead of the fused kernels' 5·M·N·s (read x,
-  write y again), a GLU 11·n·s instead of 8·n·s.
+* the implementation's own (``register_kernel(..., backward=...)``, run by
+  :func:`torchport.kernels.registry.call_backward`): the Triton norms and GLUs launch their backward kernels on the
+  saved inputs, recomputing what their eager forward keeps (a norm's per-row statistics, in the kernel that reads
+  x anyway), so a compiled graph moves what the eager path moves.
+* *recompute*, for an implementation without one (or arguments it refuses): ``torchport::<op>_backward`` runs the
+  kernel's forward again on detached copies of the saved inputs, with autograd, and differentiates it: the vendor
+  operator's backward on Ascend, autograd through the reference elsewhere, for the price of one more forward
+  (RMSNorm moves 7·M·N·s bytes instead of 5·M·N·s, a GLU 11·n·s instead of 8·n·s).
 * an op's own (``CustomOp.backward``, next to the op): ``rope`` runs its kernel once with the transposed rotation;
   ``cross_entropy`` scales the gradient of the summed loss in float32; ``fused_linear_cross_entropy`` runs its
   two-pass forward again with autograd (a compiled graph pays its forward twice, the eager path once). The losses'
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from ._autograd import autograd_enabled, fresh, vjp
-from .registry import list_specs
+from .registry import call_backward, list_specs
 from .spec import CustomOp, OpSpec
 
 __all__ = ["IMPLEMENTATIONS", "OPS", "autograd_enabled", "ensure"]
@@ -96,6 +99,8 @@ def _register(spec: OpSpec) -> None:
     assert isinstance(op, CustomOp)
     positions = _tensor_positions(name, op.schema)
     returns = len(torch._C.parse_schema(f"torchport::{name}{op.schema}").returns)
+    results = returns - len(positions) if op.precomputed else returns  # the outputs with an upstream gradient
+    schema_tensors = [torch._C.parse_schema(f"torchport::{name}{op.schema}").arguments[i] for i in positions]
 
     def tensors(args: Sequence[Any]) -> list[torch.Tensor | None]:
         return [args[i] for i in positions]
@@ -118,8 +123,10 @@ def _register(spec: OpSpec) -> None:
     def backward(grads, needs, *args):
         inputs = tensors(args)
         if op.backward is not None:
-            found = list(op.backward(tuple(grads), tuple(needs), *args))
+            found = op.backward(tuple(grads), tuple(needs), *args)
         else:
+            found = call_backward(name, grads[0].device, tuple(grads), tuple(needs), *args)
+        if found is None:
             def recompute(*leaves):
                 full = list(args)
                 for i, leaf in zip(positions, leaves):
@@ -127,6 +134,7 @@ def _register(spec: OpSpec) -> None:
                 return IMPLEMENTATIONS[name](*full)
 
             found = _vjp(recompute, inputs, grads, needs)
+        found = list(found)
         if len(found) != len(positions):
             raise RuntimeError(f"torchport::{name}_backward returned {len(found)} gradients for "
                                f"{len(positions)} tensor arguments")
@@ -148,16 +156,35 @@ def _register(spec: OpSpec) -> None:
     def setup(ctx, inputs, output):
         needs = tuple(ctx.needs_input_grad[i] for i in positions)
         keep = op.saved(needs) if op.saved is not None else (True,) * len(positions)
-        ctx.save_for_backward(*(t if k else None for t, k in zip(tensors(inputs), keep)))
+        kept = [t if k else None for t, k in zip(tensors(inputs), keep)]
+        ctx.precomputed = False
+        if op.precomputed:  # the gradients are outputs that nothing differentiates
+            ctx.mark_non_differentiable(*output[results:])
+            ctx.precomputed = any(g.numel() for g in output[results:])
+        if ctx.precomputed:  # they are all the backward needs
+            kept = list(output[results:])
+            missing = [str(arg.name) for need, g, arg in zip(needs, kept, schema_tensors) if need and not g.numel()]
+            if missing:
+                raise ValueError(f"torchport::{name}: a gradient is needed for {', '.join(missing)}, which the "
+                                 "forward was not asked to compute; ask for every tensor that requires a gradient")
+            ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*kept)
         ctx.arguments = [None if i in positions else a for i, a in enumerate(inputs)]
         ctx.needs = list(needs)
 
     def gradient(ctx, *grads):
+        result: list[torch.Tensor | None] = [None] * len(ctx.arguments)
+        if ctx.precomputed:
+            upstream = grads[0]
+            for i, g, need in zip(positions, ctx.saved_tensors, ctx.needs):
+                if need and upstream is not None and g.numel():  # multiplied in float32, rounded once
+                    result[i] = g * upstream if g.dtype == upstream.dtype else (g.to(upstream.dtype) * upstream).to(
+                        g.dtype)
+            return tuple(result)
         args = list(ctx.arguments)
         for i, t in zip(positions, ctx.saved_tensors):
             args[i] = t
-        found = backward_op(list(grads), ctx.needs, *args)
-        result: list[torch.Tensor | None] = [None] * len(args)
+        found = backward_op(list(grads[:results]), ctx.needs, *args)
         for i, g, need in zip(positions, found, ctx.needs):
             result[i] = g if need else None
         return tuple(result)

@@ -46,6 +46,7 @@ __all__ = [
     "KernelError",
     "Unsupported",
     "call",
+    "call_backward",
     "custom_op",
     "forced",
     "fused_op",
@@ -91,12 +92,14 @@ _forced: dict[tuple[str, Hashable], bool] = {}
 
 def register_kernel(
     op: str, name: str, *, devices: Iterable[str] | None = None, priority: int = 0,
-    requires: Callable[[torch.device], str | None] | None = None,
+    requires: Callable[[torch.device], str | None] | None = None, backward: Callable[..., Any] | None = None,
 ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn`` as implementation ``name`` of ``op`` for the given device types (None: every device).
 
     A second registration of the same op and name is refused. Every op must have a ``reference``. An
-    implementation named ``triton`` requires the triton package unless ``requires`` says otherwise.
+    implementation named ``triton`` requires the triton package unless ``requires`` says otherwise. ``backward``
+    is the implementation's own backward for compiled graphs (:attr:`Implementation.backward`, run by
+    :func:`call_backward`); without one, a compiled graph differentiates the forward run again.
 
     Example:
         >>> @register_kernel("rms_norm", "mylib", devices=["cuda"], priority=20)
@@ -116,7 +119,7 @@ def register_kernel(
                     f"registered: {', '.join(impls)}"
                 )
             served = None if devices is None else frozenset(devices)
-            impls[name] = Implementation(op, name, fn, served, priority, requires)
+            impls[name] = Implementation(op, name, fn, served, priority, requires, backward)
             _forget_choices()
         return fn
 
@@ -331,6 +334,36 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
                 _broken[(op, impl.name, device.type)] = reason
         _warn_once(op, impl.name, device.type, reason)
         return _ops[op]["reference"].fn(*args)
+
+
+def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Sequence[bool],
+                  *args: Any) -> Sequence[Any] | None:
+    """The gradients of ``op``'s custom op from the chosen implementation's own backward
+    (:attr:`Implementation.backward`), or None when it has none or cannot take these arguments: the caller then
+    differentiates the forward run again, which falls back as :func:`call` does. Failures are handled as
+    :func:`call` handles them (forced mode raises :class:`KernelError`; in auto mode a broken implementation is
+    logged and left for the reference)."""
+    impl = select(op, device)
+    if impl.backward is None:
+        return None
+    try:
+        return impl.backward(grads, needs, *args)
+    except (torch.OutOfMemoryError, *_CONTROL_FLOW):
+        raise
+    except Unsupported:
+        return None
+    except Exception as exc:
+        reason = f"{type(exc).__name__}: {exc}".strip()
+        if _mode(op)[1]:
+            raise KernelError(f"{op}: the backward of the forced implementation {impl.name!r} failed on {device}: "
+                              f"{reason}") from exc
+        if not _is_load_failure(exc):
+            logger.error("torchport.kernels.%s: %s's backward raised %s", op, impl.name, reason, exc_info=exc)
+        with _lock:
+            _forget_choices()
+            _broken[(op, impl.name, device.type)] = reason
+        _warn_once(op, impl.name, device.type, reason)
+        return None
 
 
 def forced(op: str) -> bool:

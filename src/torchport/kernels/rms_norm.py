@@ -30,7 +30,15 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float, offset
     return (h * (widen(weight) + offset)).to(x.dtype)
 
 
-@registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20)
+def _rms_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], x: torch.Tensor,
+                              weight: torch.Tensor, eps: float, offset: float) -> tuple[torch.Tensor | None, ...]:
+    from .triton import norm
+
+    dx, dw, _ = norm.backward(grads[0], x, weight, None, eps, offset, True, needs[1], False)
+    return dx, dw
+
+
+@registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20, backward=_rms_norm_triton_backward)
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                      in_place: bool = False) -> torch.Tensor:
     from .triton import norm

@@ -53,6 +53,11 @@ class CustomOp:
         saved: ``(needs) -> keep``: for each ``Tensor`` argument, whether the backward needs it, given which
             arguments need a gradient; the others reach the backward as None (and its schema declares every tensor
             argument optional). Default: all are kept.
+        precomputed: the forward computes the gradients in its own passes (the fused loss): its schema returns a
+            scalar result, then one tensor per ``Tensor`` argument, the gradient of the result for an upstream
+            gradient of 1 (empty where none was computed). They are saved, never differentiated, and the public
+            function returns the result alone. The backward multiplies them by the upstream gradient (plain
+            PyTorch, which a compiler fuses); where all are empty (``reduction="none"``) :attr:`backward` runs.
     """
 
     schema: str
@@ -61,6 +66,7 @@ class CustomOp:
     forward: Callable[..., Any] | None = None
     backward: Callable[..., tuple[torch.Tensor | None, ...]] | None = None
     saved: Callable[[tuple[bool, ...]], tuple[bool, ...]] | None = None
+    precomputed: bool = False
 
     def __post_init__(self) -> None:
         if (self.like is None) == (self.fake is None):

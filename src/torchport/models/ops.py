@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .. import kernels
+from ..kernels.checks import capturing
 from .families import GATED_ACTIVATIONS, MLP, Norm
 
 __all__ = [
@@ -238,7 +239,10 @@ def make_fused_linear_forward(original: Callable[..., Any], softcap: str | None,
         num_items = kwargs.get("num_items_in_batch")
         # A positive count divides inside the kernel, so that loss.backward() hands it an upstream gradient of 1
         # (no pass over the V x H weight gradient to scale it); 0 (nothing counted) divides outside, as transformers.
-        inside = num_items is not None and float(num_items) > 0
+        # A tensor count is not read while torch.compile traces or a graph is captured: the kernel's function then
+        # divides on the device (0 gives NaN, as 0 / 0 does in transformers).
+        inside = num_items is not None and (
+            (torch.is_tensor(num_items) and capturing(hidden.device)) or float(num_items) > 0)
         loss = kernels.fused_linear_cross_entropy(
             hidden.reshape(-1, hidden.shape[-1]), self.lm_head.weight, target, bias=self.lm_head.bias,
             ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",

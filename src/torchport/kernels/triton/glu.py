@@ -23,7 +23,7 @@ from .. import registry
 from . import autotune, cdiv, next_power_of_2
 from .launch import Kernel
 
-__all__ = ["glu"]
+__all__ = ["backward", "glu"]
 
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 _GELU_CUBIC = tl.constexpr(0.044715)
@@ -178,29 +178,7 @@ class _GluFunction(torch.autograd.Function):
         gate, up = ctx.saved_tensors
         gelu, in_place, reference, was_forced = ctx.settings
         try:
-            if in_place:
-                # Gradients go over the inputs' own memory (their values are read first, element by element);
-                # bumping the version counters makes any later reader of gate/up that saved them fail loudly.
-                dgate, dup = gate, up
-                for t in (gate, up):
-                    torch.autograd.graph.increment_version(t)
-            else:
-                dgate, dup = torch.empty_like(gate), torch.empty_like(up)
-            a, b, dc, da, db = _as_rows(gate, up, dout, dgate, dup)
-            m, n = a.shape
-            if m and n:
-                tunable = _TUNED[gelu, True]
-                config = tunable.lookup(a.device, a.dtype, m, n)
-                if config is None:
-                    # Candidates write scratch gradients in place mode: gate and up must reach the final launch.
-                    out = (da, db) if not in_place else (torch.empty_like(da), torch.empty_like(db))
-                    config = tunable.tune(a.device, a.dtype, (m, n),
-                                          lambda cfg: _launch_backward(cfg, a, b, dc, *out, gelu))
-                _launch_backward(config, a, b, dc, da, db, gelu)
-            if da.data_ptr() != dgate.data_ptr():  # a non-contiguous gradient buffer was written through a copy
-                dgate.copy_(da.view(dgate.shape))
-            if db.data_ptr() != dup.data_ptr():
-                dup.copy_(db.view(dup.shape))
+            dgate, dup = backward(dout, gate, up, gelu, in_place)
         except Exception as exc:
             dgate, dup = registry.backward_fallback("geglu" if gelu else "swiglu", "triton", exc, was_forced, reference,
                                                     (gate, up), (dout,))
@@ -210,10 +188,44 @@ class _GluFunction(torch.autograd.Function):
         return dgate, dup, None
 
 
-def glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
-        reference: Callable[..., torch.Tensor]) -> torch.Tensor:
-    for t in (gate, up):
+def backward(dout: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, gelu: bool,
+             in_place: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(dgate, dup)`` from the inputs and the output's gradient: the eager backward, and that of
+    ``torch.ops.torchport.swiglu``/``geglu`` in a compiled graph (which never writes in place)."""
+    _check_dtype(gate, up, dout)
+    if in_place:
+        # Gradients go over the inputs' own memory (their values are read first, element by element); bumping the
+        # version counters makes any later reader of gate/up that saved them fail loudly.
+        dgate, dup = gate, up
+        for t in (gate, up):
+            torch.autograd.graph.increment_version(t)
+    else:
+        dgate, dup = torch.empty_like(gate), torch.empty_like(up)
+    a, b, dc, da, db = _as_rows(gate, up, dout, dgate, dup)
+    m, n = a.shape
+    if m and n:
+        tunable = _TUNED[gelu, True]
+        config = tunable.lookup(a.device, a.dtype, m, n)
+        if config is None:
+            # Candidates write scratch gradients in place mode: gate and up must reach the final launch.
+            out = (da, db) if not in_place else (torch.empty_like(da), torch.empty_like(db))
+            config = tunable.tune(a.device, a.dtype, (m, n), lambda cfg: _launch_backward(cfg, a, b, dc, *out, gelu))
+        _launch_backward(config, a, b, dc, da, db, gelu)
+    if da.data_ptr() != dgate.data_ptr():  # a non-contiguous gradient buffer was written through a copy
+        dgate.copy_(da.view(dgate.shape))
+    if db.data_ptr() != dup.data_ptr():
+        dup.copy_(db.view(dup.shape))
+    return dgate, dup
+
+
+def _check_dtype(*tensors: torch.Tensor) -> None:
+    for t in tensors:
         if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
             raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
+
+
+def glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
+        reference: Callable[..., torch.Tensor]) -> torch.Tensor:
+    _check_dtype(gate, up)
     settings = (gelu, in_place, reference, registry.forced("geglu" if gelu else "swiglu"))
     return _GluFunction.apply(gate, up, settings)

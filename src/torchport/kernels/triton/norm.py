@@ -20,7 +20,7 @@ Where the time goes in simpler kernels, and what these do instead:
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -32,7 +32,7 @@ from .launch import Kernel
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
 
-__all__ = ["MAX_FUSED", "layer_norm", "rms_norm"]
+__all__ = ["MAX_FUSED", "backward", "layer_norm", "rms_norm"]
 
 MAX_FUSED = 16384  # longest row (elements) held in registers by one program
 
@@ -102,9 +102,9 @@ def _fwd_chunked_kernel(
 
 @triton.jit
 def _bwd_kernel(
-    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset,
+    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset, eps,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -119,12 +119,20 @@ def _bwd_kernel(
         ok = row_ok[:, None] & col_ok[None, :]
         x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
         dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-        rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
-        if IS_RMS:
-            xhat = x * rstd[:, None]
-        else:
-            mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
-            xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_STATS:
+            rstd = tl.load(RSTD + rows, mask=row_ok, other=0.0)
+            if IS_RMS:
+                xhat = x * rstd[:, None]
+            else:
+                mean = tl.load(MEAN + rows, mask=row_ok, other=0.0)
+                xhat = tl.where(ok, (x - mean[:, None]) * rstd[:, None], 0.0)
+        else:  # the statistics again, as the forward computes them, from the x in registers
+            if IS_RMS:
+                xc = x
+            else:
+                xc = tl.where(ok, x - (tl.sum(x, axis=1) / N)[:, None], 0.0)
+            rstd = tl.rsqrt(tl.sum(xc * xc, axis=1) / N + eps)
+            xhat = xc * rstd[:, None]
         if HAS_W:
             wdy = dy * w[None, :]
         else:
@@ -148,8 +156,9 @@ def _bwd_kernel(
 
 @triton.jit
 def _bwd_chunked_kernel(
-    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr, BLOCK_N: tl.constexpr,
+    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset, eps,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+    HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     pid = tl.program_id(0)
     for row in range(pid, M, tl.num_programs(0)):
@@ -157,10 +166,24 @@ def _bwd_chunked_kernel(
         x_row = X + row64 * stride_x
         dy_row = DY + row64 * stride_dy
         dx_row = DX + row64 * stride_dx
-        rstd = tl.load(RSTD + row)
         mean = 0.0
-        if not IS_RMS:
-            mean = tl.load(MEAN + row)
+        if HAS_STATS:
+            rstd = tl.load(RSTD + row)
+            if not IS_RMS:
+                mean = tl.load(MEAN + row)
+        else:  # the statistics again, in the forward's passes over the row
+            if not IS_RMS:
+                total = tl.zeros([BLOCK_N], dtype=tl.float32)
+                for start in range(0, N, BLOCK_N):
+                    cols = start + tl.arange(0, BLOCK_N)
+                    total += tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
+                mean = tl.sum(total, axis=0) / N
+            squares = tl.zeros([BLOCK_N], dtype=tl.float32)
+            for start in range(0, N, BLOCK_N):
+                cols = start + tl.arange(0, BLOCK_N)
+                xc = tl.where(cols < N, tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) - mean, 0.0)
+                squares += xc * xc
+            rstd = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
         c1 = tl.zeros([BLOCK_N], dtype=tl.float32)
         c2 = tl.zeros([BLOCK_N], dtype=tl.float32)
         for start in range(0, N, BLOCK_N):
@@ -237,29 +260,42 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 
 
 def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None, dy_rows: torch.Tensor,
-                     dx: torch.Tensor, mean: torch.Tensor | None, rstd: torch.Tensor, offset: float, want_dw: bool,
-                     want_db: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch the backward; returns the per-program partial sums of dweight and dbias (``rstd`` when not wanted)."""
+                     dx: torch.Tensor, stats: _Stats, offset: float, want_dw: bool,
+                     want_db: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Launch the backward; returns the per-program partial sums of dweight and dbias (None when not wanted)."""
     m, n = rows.shape
     fused = n <= MAX_FUSED
     block_m = config["BLOCK_M"] if fused else 1
     programs = min(cdiv(m, block_m), multiprocessor_count(rows.device) * config["per_sm"])
     alloc = torch.empty if fused else torch.zeros
-    dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else rstd
-    db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else rstd
-    args = (rows, weight if weight is not None else rows, dy_rows, dx, mean if mean is not None else rstd, rstd,
-            dw, db, m, n, rows.stride(0), dy_rows.stride(0), n, offset)
+    dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else None
+    db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else None
+    # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
+    rstd = stats.rstd if stats.rstd is not None else dx
+    args = (rows, weight if weight is not None else rows, dy_rows, dx, stats.mean if stats.mean is not None else rstd,
+            rstd, dw if want_dw else rstd, db if want_db else rstd, m, n, rows.stride(0), dy_rows.stride(0), n,
+            offset, stats.eps)
+    flags = dict(IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
+                 HAS_STATS=stats.rstd is not None, num_warps=config["num_warps"])
     if fused:
-        _BWD.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
-                    WANT_DB=want_db, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), num_warps=config["num_warps"])
+        _BWD.launch((programs,), *args, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), **flags)
     else:
-        _BWD_CHUNKED.launch((programs,), *args, IS_RMS=mean is None, HAS_W=weight is not None, WANT_DW=want_dw,
-                            WANT_DB=want_db, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+        _BWD_CHUNKED.launch((programs,), *args, BLOCK_N=config["BLOCK_N"], **flags)
     return dw, db
 
 
-def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None, mean: torch.Tensor | None,
-              rstd: torch.Tensor, offset: float, want_dw: bool, want_db: bool,
+class _Stats(NamedTuple):
+    """A norm's per-row statistics for the backward: the forward's (``rstd``, and ``mean`` for LayerNorm), or
+    None when the backward kernel computes them again from x (with ``eps``)."""
+
+    is_rms: bool
+    mean: torch.Tensor | None
+    rstd: torch.Tensor | None
+    eps: float
+
+
+def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None, stats: _Stats, offset: float,
+              want_dw: bool, want_db: bool,
               in_place: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     m, n = rows.shape
     dy_rows = dy if dy.dim() == 2 and dy.stride(1) == 1 else rows_view(dy, n)
@@ -271,8 +307,8 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None,
         zeros = torch.zeros(n, dtype=torch.float32, device=rows.device)
         return dx, zeros if want_dw else None, zeros if want_db else None
     device = rows.device
-    tunable = _BACKWARD[mean is None, n <= MAX_FUSED]
-    args = (rows, weight, dy_rows, dx, mean, rstd, offset, want_dw, want_db)
+    tunable = _BACKWARD[stats.is_rms, n <= MAX_FUSED]
+    args = (rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
     config = tunable.lookup(device, rows.dtype, m, n)
     if config is None:
         # Candidates write a scratch dx when dx is dy's memory: dy must reach the final launch intact.
@@ -307,7 +343,8 @@ class _NormFunction(torch.autograd.Function):
         want_dw = weight is not None and ctx.needs_input_grad[1]
         want_db = bias is not None and ctx.needs_input_grad[2]
         try:
-            dx, dw, db = _backward(dy, rows, weight, mean, rstd, offset, want_dw, want_db, in_place)
+            stats = _Stats(is_rms, mean, rstd, eps)
+            dx, dw, db = _backward(dy, rows, weight, stats, offset, want_dw, want_db, in_place)
         except Exception as exc:
             op = "rms_norm" if is_rms else "layer_norm"
             x = rows.view(shape)
@@ -329,6 +366,22 @@ def _check_dtype(*tensors: torch.Tensor | None) -> None:
 def _dense(t: torch.Tensor | None) -> torch.Tensor | None:
     """The kernels index weight and bias as contiguous vectors (a strided view is copied; autograd follows)."""
     return t if t is None or t.stride(-1) == 1 or t.numel() <= 1 else t.contiguous()
+
+
+def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
+             offset: float, is_rms: bool, want_dw: bool,
+             want_db: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``(dx, dweight, dbias)`` of a norm from its inputs alone: the backward of ``torch.ops.torchport.rms_norm``
+    and ``layer_norm`` in a compiled graph, where the forward keeps no statistics. The backward kernel computes
+    them again from the x it reads anyway, so this moves the bytes of the eager backward (3·M·N·s)."""
+    _check_dtype(x, weight, bias, dy)
+    n = x.shape[-1]
+    rows = x if x.dim() == 2 and x.stride(1) == 1 else rows_view(x, n)
+    weight, bias = _dense(weight), _dense(bias)
+    want_dw, want_db = want_dw and weight is not None, want_db and bias is not None
+    dx, dw, db = _backward(dy, rows, weight, _Stats(is_rms, None, None, eps), offset, want_dw, want_db, False)
+    return (dx.view(x.shape), None if dw is None else dw.to(weight.dtype),  # type: ignore[union-attr]
+            None if db is None else db.to(bias.dtype))  # type: ignore[union-attr]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool,
