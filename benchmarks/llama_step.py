@@ -63,11 +63,12 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
                for _ in range(warmup + steps)]
 
     def step(tokens: torch.Tensor) -> torch.Tensor:
+        torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA-graph trees (mode="reduce-overhead")
         loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return loss.detach()
+        return loss.detach().clone()  # a graph's output memory is overwritten by its next replay
 
     losses, warm_times = [], []
     for tokens in batches[:warmup]:

@@ -50,14 +50,25 @@ def fresh(out: torch.Tensor, like: torch.Tensor, inputs: Sequence[torch.Tensor |
 
     Copies only when needed: the references follow their input's layout, the Triton kernels write contiguous rows.
     """
-    layout = torch.empty_like(like, dtype=out.dtype, device="meta")
     storage = out.untyped_storage().data_ptr()
     aliased = out.numel() > 0 and any(t is not None and storage == t.untyped_storage().data_ptr() for t in inputs)
-    if out.stride() == layout.stride() and not aliased:
-        return out
+    if not aliased and out.shape == like.shape:
+        # torch.empty_like of a contiguous tensor has the row-major strides: the common case, without a meta tensor
+        layout = _row_major(like.shape) if like.is_contiguous() else \
+            torch.empty_like(like, dtype=out.dtype, device="meta").stride()
+        if out.stride() == layout:
+            return out
     copy = torch.empty_like(like, dtype=out.dtype)
     copy.copy_(out)
     return copy
+
+
+def _row_major(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def vjp(fn: Callable[..., torch.Tensor | tuple[torch.Tensor, ...]], inputs: Sequence[torch.Tensor | None],

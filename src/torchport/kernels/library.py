@@ -106,7 +106,7 @@ def _register(spec: OpSpec) -> None:
         return [args[i] for i in positions]
 
     def forward(*args):
-        detached = [a.detach() if isinstance(a, torch.Tensor) else a for a in args]
+        detached = [a.detach() if isinstance(a, torch.Tensor) and a.requires_grad else a for a in args]
         out = IMPLEMENTATIONS[name](*detached)
         if op.like is None:
             return out
