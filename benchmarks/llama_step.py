@@ -117,15 +117,32 @@ def _profile(step: Callable[[Any], Any], tokens: Any, device: Any, top: int) -> 
         step(tokens)
         torchport.synchronize(device)
     kernels: dict[str, list[float]] = {}
+    spans = []
     for event in prof.events():
-        if event.device_type != torch.autograd.DeviceType.CUDA:
+        if event.device_type != torch.autograd.DeviceType.CUDA or event.name.startswith("Optimizer."):
             continue
         entry = kernels.setdefault(event.name, [0.0, 0])
         entry[0] += event.device_time / 1e3
         entry[1] += 1
+        spans.append((event.time_range.start, event.time_range.end, event.name))
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][0])
     total = ("all kernels", sum(v[0] for v in kernels.values()), int(sum(v[1] for v in kernels.values())))
-    return [total] + [(name[:120], ms, int(calls)) for name, (ms, calls) in ranked[:top]]
+    rows = [total] + [(name[:120], ms, int(calls)) for name, (ms, calls) in ranked[:top]]
+    return rows + _idle(sorted(spans), top)
+
+
+def _idle(spans: list[tuple[float, float, str]], top: int) -> list[tuple[str, float, int]]:
+    """Where the device waited between kernels (µs timestamps): the total, then the ``top`` longest gaps, each
+    named by the kernels before and after it."""
+    gaps, reach, last = [], None, ""
+    for start, end, name in spans:
+        if reach is not None and start > reach:
+            gaps.append((start - reach, f"{last[:50]} -> {name[:50]}"))
+        if reach is None or end > reach:
+            reach, last = end, name
+    gaps.sort(reverse=True)
+    return [("device idle between kernels", sum(g for g, _ in gaps) / 1e3, len(gaps))] + \
+        [(f"gap: {where}", gap / 1e3, 1) for gap, where in gaps[:top]]
 
 
 def run_contenders(script: str, names: Sequence[str], extra: Sequence[str],
