@@ -447,6 +447,26 @@ def test_pickle_save_and_deepcopy_of_a_patched_model(how):
     assert llama.apply_rotary_pos_emb is rope and not torchport.models.is_patched()
 
 
+def test_a_model_pickled_under_the_earlier_module_names_loads_patched(monkeypatch):
+    """Earlier versions defined the replaced forward, the record and its restore function in torchport.models
+    itself: a pickle naming them there still loads as a patched model."""
+    import pickle
+
+    from torchport.models import _held
+
+    model = torchport.patch(build("llama"))
+    for name in ("_Forward", "_Recipe", "_Record", "_restore_record"):
+        monkeypatch.setattr(getattr(_held, name), "__module__", "torchport.models")
+    data = pickle.dumps(model)
+    monkeypatch.undo()
+    assert b"torchport.models._held" not in data and b"_restore_record" in data
+    twin = pickle.loads(data)
+    _assert_patched_copy(twin, model, batch(torch.device("cpu")))
+    torchport.unpatch(twin)
+    torchport.unpatch(model)
+    assert not torchport.models.is_patched()
+
+
 def test_patched_forward_keeps_the_signature():
     import inspect
 
