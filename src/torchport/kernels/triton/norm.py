@@ -12,9 +12,9 @@ Where the time goes in simpler kernels, and what these do instead:
   them once; a small sum over programs finishes it. Nothing re-reads x or dy (PyTorch's eager LayerNorm backward
   reads both twice, once for dx and once for the weight gradient).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.
-* Rows longer than ``MAX_FUSED`` columns do not fit in registers; they take the chunked kernels, which loop over
-  the row (two or three passes for the forward, two for the backward) and accumulate the weight gradient in a
-  per-program buffer in memory.
+* Rows longer than ``MAX_FUSED`` columns do not fit in registers; they take the chunked kernels
+  (:mod:`.norm_chunked`), which walk each row twice, hoping to find it in L2 the second time, and accumulate the
+  weight gradient in a per-program buffer in memory.
 """
 
 from __future__ import annotations
@@ -29,6 +29,8 @@ import triton.language as tl
 from .. import registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 from .launch import Kernel
+from .norm_chunked import bwd_chunked_kernel as _bwd_chunked_kernel
+from .norm_chunked import fwd_chunked_kernel as _fwd_chunked_kernel
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
 
@@ -63,41 +65,6 @@ def _fwd_kernel(
     if HAS_B:
         y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     tl.store(Y + rows[:, None] * stride_y + cols[None, :], y.to(Y.dtype.element_ty), mask=ok)
-
-
-@triton.jit
-def _fwd_chunked_kernel(
-    X, W, B, Y, MEAN, RSTD, N, stride_x, stride_y, eps, offset,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    x_row = X + row * stride_x
-    y_row = Y + row * stride_y
-    mean = 0.0
-    if not IS_RMS:
-        total = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            total += tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        mean = tl.sum(total, axis=0) / N
-        tl.store(MEAN + row, mean)
-    squares = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        x = tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-        xc = tl.where(cols < N, x - mean, 0.0)
-        squares += xc * xc
-    rstd = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
-    tl.store(RSTD + row, rstd)
-    for start in range(0, N, BLOCK_N):
-        cols = start + tl.arange(0, BLOCK_N)
-        col_ok = cols < N
-        y = (tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32) - mean) * rstd
-        if HAS_W:
-            y = y * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
-        if HAS_B:
-            y = y + tl.load(B + cols, mask=col_ok, other=0.0).to(tl.float32)
-        tl.store(y_row + cols, y.to(Y.dtype.element_ty), mask=col_ok)
 
 
 @triton.jit
@@ -154,71 +121,6 @@ def _bwd_kernel(
         tl.store(DB + pid * N + cols, db, mask=col_ok)
 
 
-@triton.jit
-def _bwd_chunked_kernel(
-    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset, eps,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-    HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    for row in range(pid, M, tl.num_programs(0)):
-        row64 = tl.zeros([], dtype=tl.int64) + row  # 64-bit offsets (the loop variable is 32-bit)
-        x_row = X + row64 * stride_x
-        dy_row = DY + row64 * stride_dy
-        dx_row = DX + row64 * stride_dx
-        mean = 0.0
-        if HAS_STATS:
-            rstd = tl.load(RSTD + row)
-            if not IS_RMS:
-                mean = tl.load(MEAN + row)
-        else:  # the statistics again, in the forward's passes over the row
-            if not IS_RMS:
-                total = tl.zeros([BLOCK_N], dtype=tl.float32)
-                for start in range(0, N, BLOCK_N):
-                    cols = start + tl.arange(0, BLOCK_N)
-                    total += tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32)
-                mean = tl.sum(total, axis=0) / N
-            squares = tl.zeros([BLOCK_N], dtype=tl.float32)
-            for start in range(0, N, BLOCK_N):
-                cols = start + tl.arange(0, BLOCK_N)
-                xc = tl.where(cols < N, tl.load(x_row + cols, mask=cols < N, other=0.0).to(tl.float32) - mean, 0.0)
-                squares += xc * xc
-            rstd = tl.rsqrt(tl.sum(squares, axis=0) / N + eps)
-        c1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        c2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            xhat = tl.where(col_ok, (tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-            wdy = tl.load(dy_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-            if HAS_W:
-                wdy = wdy * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
-            c1 += xhat * wdy
-            c2 += wdy
-        c1_row = tl.sum(c1, axis=0) / N
-        c2_row = tl.sum(c2, axis=0) / N
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            xhat = tl.where(col_ok, (tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32) - mean) * rstd, 0.0)
-            dy = tl.load(dy_row + cols, mask=col_ok, other=0.0).to(tl.float32)
-            wdy = dy
-            if HAS_W:
-                wdy = dy * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
-            if IS_RMS:
-                dx = (wdy - xhat * c1_row) * rstd
-            else:
-                dx = (wdy - xhat * c1_row - c2_row) * rstd
-            tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=col_ok)
-            # Each program owns row ``pid`` of the partial sums: no other program touches it.
-            if WANT_DW:
-                part = DW + pid * N + cols
-                tl.store(part, tl.load(part, mask=col_ok, other=0.0) + dy * xhat, mask=col_ok)
-            if WANT_DB:
-                part = DB + pid * N + cols
-                tl.store(part, tl.load(part, mask=col_ok, other=0.0) + dy, mask=col_ok)
-
-
 _FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(_fwd_chunked_kernel)
 _BWD, _BWD_CHUNKED = Kernel(_bwd_kernel), Kernel(_bwd_chunked_kernel)
 
@@ -237,7 +139,17 @@ def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.T
                     num_warps=config["num_warps"])
     else:
         _FWD_CHUNKED.launch((m,), *args, n, rows.stride(0), n, eps, offset, IS_RMS=is_rms, HAS_W=weight is not None,
-                            HAS_B=bias is not None, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"])
+                            HAS_B=bias is not None, BLOCK_N=config["BLOCK_N"], num_warps=config["num_warps"],
+                            **_walk(config))
+
+
+def _walk(config: autotune.Config) -> dict[str, Any]:
+    """How a chunked kernel walks a row twice. ``hints`` 1 (the heuristics): the first walk keeps what it loads in
+    L2 and the second goes last chunk first, reading and writing with ``evict_first``, as the cross-entropy kernel
+    does (:mod:`.cross_entropy`); 0 (a tuner candidate, and configurations cached before the key existed): both
+    walks forward, without hints."""
+    hints = bool(config.get("hints", 0))
+    return {"REVERSE": hints, "KEEP": "evict_last" if hints else "", "DROP": "evict_first" if hints else ""}
 
 
 def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float, offset: float,
@@ -280,7 +192,7 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     if fused:
         _BWD.launch((programs,), *args, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), **flags)
     else:
-        _BWD_CHUNKED.launch((programs,), *args, BLOCK_N=config["BLOCK_N"], **flags)
+        _BWD_CHUNKED.launch((programs,), *args, BLOCK_N=config["BLOCK_N"], **flags, **_walk(config))
     return dw, db
 
 
