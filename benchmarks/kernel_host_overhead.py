@@ -8,7 +8,9 @@ process, so the rows compare with each other (the absolute figures depend on the
 torchport's RMSNorm step, sorted by own time; ``--pieces`` (CUDA) times the pieces of that step one by one: a
 Triton launch through ``kernel[grid]``, through torchport's bound launcher (``kernels/triton/launch.py``) and
 through the compiled kernel alone, an allocation, one ATen launch, an autograd round trip of a no-op Function,
-PyTorch's LayerNorm and torchport's RMSNorm forward without and with autograd. Writes JSON with ``--json``.
+PyTorch's LayerNorm and torchport's RMSNorm forward without and with autograd, and each one's backward alone,
+through the autograd engine (gradients accumulated into the leaves) and as its node called directly on the calling
+thread (the engine runs a CUDA graph's nodes on a device thread of its own). Writes JSON with ``--json``.
 
     PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cpu --profile
     PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cuda --pieces
@@ -104,6 +106,12 @@ def pieces(device: torch.device, dtype: torch.dtype, calls: int, repeats: int) -
             return g, None
 
     kernels = torchport.kernels
+    # The backward alone: through the autograd engine (which runs a CUDA graph's nodes on its device thread and,
+    # for a Python node, takes the GIL there), and the same node called directly on this thread.
+    ours, theirs = kernels.rms_norm(x, w), F.layer_norm(x, (64,), w, b)
+    ours_node = getattr(ours.grad_fn, "apply", ours.grad_fn)  # a Python Function's node runs its backward by apply
+    xc, wc = x.detach().cpu().requires_grad_(), w.detach().cpu().requires_grad_()
+    dyc = dy.cpu()
     steps = {
         "triton kernel[grid](...)": lambda: norm._fwd_kernel[(1,)](*args, **meta),
         "torchport launch.Kernel.launch": lambda: bound.launch((1,), *args, **meta),
@@ -120,6 +128,12 @@ def pieces(device: torch.device, dtype: torch.dtype, calls: int, repeats: int) -
         "torchport rms_norm fwd, no grad": lambda: kernels.rms_norm(xd, wd),
         "torchport rms_norm fwd, with grad": lambda: kernels.rms_norm(x, w),
         "torchport rms_norm fwd+bwd": lambda: kernels.rms_norm(x, w).backward(dy),
+        "no-op autograd.Function fwd+bwd, CPU tensors": lambda: Noop.apply(xc, wc).backward(dyc),
+        "x * 1 fwd+bwd, CPU tensors": lambda: (xc * 1.0).backward(dyc),
+        "torch layer_norm bwd through the engine": lambda: theirs.backward(dy, retain_graph=True),
+        "torch layer_norm bwd node called directly": lambda: theirs.grad_fn(dy),
+        "torchport rms_norm bwd through the engine": lambda: ours.backward(dy, retain_graph=True),
+        "torchport rms_norm bwd node called directly": lambda: ours_node(dy),
     }
     return {name: per_call_us(fn, device, calls, repeats) for name, fn in steps.items()}
 
