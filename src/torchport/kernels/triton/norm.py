@@ -29,8 +29,7 @@ import triton.language as tl
 from .. import registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 from .launch import Kernel
-from .norm_chunked import bwd_chunked_kernel as _bwd_chunked_kernel
-from .norm_chunked import fwd_chunked_kernel as _fwd_chunked_kernel
+from .norm_chunked import bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
 
@@ -121,8 +120,9 @@ def _bwd_kernel(
         tl.store(DB + pid * N + cols, db, mask=col_ok)
 
 
-_FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(_fwd_chunked_kernel)
-_BWD, _BWD_CHUNKED = Kernel(_bwd_kernel), Kernel(_bwd_chunked_kernel)
+_FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(fwd_chunked_kernel)
+_BWD, _BWD_ROW_SUMS, _BWD_COLUMNS = Kernel(_bwd_kernel), Kernel(bwd_row_sums_kernel), Kernel(bwd_columns_kernel)
+_ROW_SUMS_BLOCK, _ROW_SUMS_WARPS = 4096, 16  # the wide-row forward walk's best on an H100 at 65536 and 262144
 
 
 def _launch_forward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,
@@ -176,23 +176,47 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
                      want_db: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """Launch the backward; returns the per-program partial sums of dweight and dbias (None when not wanted)."""
     m, n = rows.shape
-    fused = n <= MAX_FUSED
-    block_m = config["BLOCK_M"] if fused else 1
-    programs = min(cdiv(m, block_m), multiprocessor_count(rows.device) * config["per_sm"])
-    alloc = torch.empty if fused else torch.zeros
-    dw = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_dw else None
-    db = alloc((programs, n), dtype=torch.float32, device=rows.device) if want_db else None
+    device = rows.device
+    if n > MAX_FUSED:
+        return _launch_wide_backward(config, rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
+    block_m = config["BLOCK_M"]
+    programs = min(cdiv(m, block_m), multiprocessor_count(device) * config["per_sm"])
+    dw = torch.empty((programs, n), dtype=torch.float32, device=device) if want_dw else None
+    db = torch.empty((programs, n), dtype=torch.float32, device=device) if want_db else None
     # Unused pointer arguments get a real tensor: Triton needs a pointer even where a constexpr removes the load.
     rstd = stats.rstd if stats.rstd is not None else dx
-    args = (rows, weight if weight is not None else rows, dy_rows, dx, stats.mean if stats.mean is not None else rstd,
-            rstd, dw if want_dw else rstd, db if want_db else rstd, m, n, rows.stride(0), dy_rows.stride(0), n,
-            offset, stats.eps)
-    flags = dict(IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-                 HAS_STATS=stats.rstd is not None, num_warps=config["num_warps"])
-    if fused:
-        _BWD.launch((programs,), *args, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n), **flags)
-    else:
-        _BWD_CHUNKED.launch((programs,), *args, BLOCK_N=config["BLOCK_N"], **flags, **_walk(config))
+    _BWD.launch((programs,), rows, weight if weight is not None else rows, dy_rows, dx,
+                stats.mean if stats.mean is not None else rstd, rstd, dw if want_dw else rstd,
+                db if want_db else rstd, m, n, rows.stride(0), dy_rows.stride(0), n, offset, stats.eps,
+                IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
+                HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
+                num_warps=config["num_warps"])
+    return dw, db
+
+
+def _launch_wide_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,
+                          dy_rows: torch.Tensor, dx: torch.Tensor, stats: _Stats, offset: float, want_dw: bool,
+                          want_db: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """The two kernels of :mod:`.norm_chunked`: the row sums, then dx and the weight gradient by column blocks
+    (``config``: ``BLOCK_M`` x ``BLOCK_N`` tiles, ``num_warps``, ``per_sm`` programs per multiprocessor in all)."""
+    m, n = rows.shape
+    device = rows.device
+    sums = torch.empty((5, m), dtype=torch.float32, device=device)
+    w = weight if weight is not None else rows
+    rstd = stats.rstd if stats.rstd is not None else sums
+    _BWD_ROW_SUMS.launch((m,), rows, w, dy_rows, stats.mean if stats.mean is not None else rstd, rstd, sums, m, n,
+                         rows.stride(0), dy_rows.stride(0), offset, stats.eps, IS_RMS=stats.is_rms,
+                         HAS_W=weight is not None, HAS_STATS=stats.rstd is not None, BLOCK_N=_ROW_SUMS_BLOCK,
+                         num_warps=_ROW_SUMS_WARPS)
+    block_m, block_n = config["BLOCK_M"], config["BLOCK_N"]
+    columns = cdiv(n, block_n)
+    groups = max(1, min(cdiv(m, block_m), multiprocessor_count(device) * config["per_sm"] // columns))
+    dw = torch.empty((groups, n), dtype=torch.float32, device=device) if want_dw else None
+    db = torch.empty((groups, n), dtype=torch.float32, device=device) if want_db else None
+    _BWD_COLUMNS.launch((columns, groups), rows, w, dy_rows, dx, sums, dw if want_dw else sums,
+                        db if want_db else sums, m, n, rows.stride(0), dy_rows.stride(0), n, offset,
+                        IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
+                        BLOCK_M=block_m, BLOCK_N=block_n, num_warps=config["num_warps"])
     return dw, db
 
 

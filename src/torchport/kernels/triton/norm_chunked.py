@@ -1,16 +1,20 @@
 """The RMSNorm and LayerNorm kernels for rows longer than :data:`.norm.MAX_FUSED` columns, which do not fit in
-registers: each program walks a row in chunks of ``BLOCK_N`` columns, twice.
+registers.
 
-* Forward: the row's statistics in one pass (RMSNorm's mean square; LayerNorm's mean and variance by Welford's
-  method, per lane, merged across lanes), then ``y``.
-* Backward: the statistics in one more pass where the forward saved none (a compiled graph's backward), then the
-  two row sums of the gradient, then ``dx``. The weight gradient accumulates in a per-program row of partial sums
-  in memory (:func:`.norm._total` adds the programs' rows).
-
-The second walk should find the row in L2, or these kernels move half as many bytes again. With ``REVERSE`` and the
-eviction policies ``KEEP``/``DROP`` set (:func:`.norm._walk`), the first walk keeps what it loads (``evict_last``)
-and the second goes last chunk first, reading and writing with ``evict_first``, as the cross-entropy kernel does
-(:mod:`.cross_entropy`); the tuner also times plain forward walks.
+* Forward, one program per row walking it in chunks of ``BLOCK_N`` columns, twice: the row's statistics in one
+  pass (RMSNorm's mean square; LayerNorm's mean and variance by Welford's method, per lane, merged across lanes),
+  then ``y``. The second walk should find the row in L2, or the kernel moves half as many bytes again: with
+  ``REVERSE`` and the eviction policies ``KEEP``/``DROP`` set (:func:`.norm._walk`), the first walk keeps what it
+  loads (``evict_last``) and the second goes last chunk first, reading and writing with ``evict_first``, as the
+  cross-entropy kernel does (:mod:`.cross_entropy`); the tuner also times plain forward walks.
+* Backward, two kernels. :func:`bwd_row_sums_kernel` reads x and dy once per row for the two row sums that every
+  dx of the row needs (and x once more for the statistics where the forward saved none);
+  :func:`bwd_columns_kernel` then reads x and dy again in tiles of rows by a block of columns and writes dx,
+  keeping its columns' weight gradient in registers across its rows. For M x N activations of s bytes that is
+  5·M·N·s (6·M·N·s without saved statistics) against the 3·M·N·s a backward must move. A single kernel walking
+  each row twice moves the same when its second walk misses L2, which it does at these widths (the rows in flight
+  outgrow the 50 MiB L2 of an H100), and must also add each row into a per-program weight-gradient buffer in
+  memory: 4·M·N more bytes each way, which measured three times the least time at 65536 columns.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bwd_chunked_kernel", "fwd_chunked_kernel"]
+__all__ = ["bwd_columns_kernel", "bwd_row_sums_kernel", "fwd_chunked_kernel"]
 
 
 @triton.jit
@@ -104,64 +108,87 @@ def fwd_chunked_kernel(
 
 
 @triton.jit
-def bwd_chunked_kernel(
-    X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset, eps,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-    HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
-    DROP: tl.constexpr,
+def bwd_row_sums_kernel(
+    X, W, DY, MEAN, RSTD, SUMS, M, N, stride_x, stride_dy, offset, eps,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    chunks = tl.cdiv(N, BLOCK_N)
-    for row in range(pid, M, tl.num_programs(0)):
-        row64 = tl.zeros([], dtype=tl.int64) + row  # 64-bit offsets (the loop variable is 32-bit)
-        x_row = X + row64 * stride_x
-        dy_row = DY + row64 * stride_dy
-        dx_row = DX + row64 * stride_dx
-        if HAS_STATS:
-            rstd = tl.load(RSTD + row)
-            shift = 0.0
-            mean = 0.0
-            if not IS_RMS:
-                shift = tl.load(x_row).to(tl.float32)
-                mean = tl.load(MEAN + row)
-        else:  # the statistics again, as the forward computes them
-            shift, mean, rstd = _row_stats(x_row, N, eps, IS_RMS, BLOCK_N, KEEP)
-        c1 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        c2 = tl.zeros([BLOCK_N], dtype=tl.float32)
-        for start in range(0, N, BLOCK_N):
-            cols = start + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            x = tl.load(x_row + cols, mask=col_ok, other=0.0, eviction_policy=KEEP).to(tl.float32)
-            xhat = tl.where(col_ok, (x - shift - mean) * rstd, 0.0)
-            wdy = tl.load(dy_row + cols, mask=col_ok, other=0.0, eviction_policy=KEEP).to(tl.float32)
-            if HAS_W:
-                wdy = wdy * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
-            c1 += xhat * wdy
-            c2 += wdy
-        c1_row = tl.sum(c1, axis=0) / N
-        c2_row = tl.sum(c2, axis=0) / N
-        # The second walk reads x and dy again, last chunk first (see _chunk_start), and keeps none of it in L2.
-        for i in range(chunks):
-            cols = _chunk_start(i, chunks, BLOCK_N, REVERSE) + tl.arange(0, BLOCK_N)
-            col_ok = cols < N
-            x = tl.load(x_row + cols, mask=col_ok, other=0.0, eviction_policy=DROP).to(tl.float32)
-            xhat = tl.where(col_ok, (x - shift - mean) * rstd, 0.0)
-            dy = tl.load(dy_row + cols, mask=col_ok, other=0.0, eviction_policy=DROP).to(tl.float32)
+    """The backward's first kernel, one program per row: the row's ``shift``, ``mean``, ``rstd`` (the forward's, or
+    computed again where it saved none) and the two row means of the gradient, ``c1 = mean(xhat·w·dy)`` and
+    ``c2 = mean(w·dy)``, into ``SUMS[k * M + row]`` for k = 0..4 (float32)."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = X + row * stride_x
+    dy_row = DY + row * stride_dy
+    if HAS_STATS:
+        rstd = tl.load(RSTD + row)
+        shift = 0.0
+        mean = 0.0
+        if not IS_RMS:
+            shift = tl.load(x_row).to(tl.float32)
+            mean = tl.load(MEAN + row)
+    else:  # the statistics again, as the forward computes them
+        shift, mean, rstd = _row_stats(x_row, N, eps, IS_RMS, BLOCK_N, "")
+    c1 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    c2 = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(0, N, BLOCK_N):
+        cols = start + tl.arange(0, BLOCK_N)
+        col_ok = cols < N
+        x = tl.load(x_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        xhat = tl.where(col_ok, (x - shift - mean) * rstd, 0.0)
+        wdy = tl.load(dy_row + cols, mask=col_ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            wdy = wdy * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
+        c1 += xhat * wdy
+        c2 += wdy
+    tl.store(SUMS + row, shift)
+    tl.store(SUMS + M + row, mean)
+    tl.store(SUMS + 2 * M + row, rstd)
+    tl.store(SUMS + 3 * M + row, tl.sum(c1, axis=0) / N)
+    tl.store(SUMS + 4 * M + row, tl.sum(c2, axis=0) / N)
+
+
+@triton.jit
+def bwd_columns_kernel(
+    X, W, DY, DX, SUMS, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    """The backward's second kernel: program ``(j, r)`` owns columns ``[j·BLOCK_N, (j+1)·BLOCK_N)`` and every
+    ``R``-th block of ``BLOCK_M`` rows from block ``r`` (``R`` = the grid's second size). It writes those rows' dx
+    from the row sums of :func:`bwd_row_sums_kernel`, keeps its columns' weight and bias gradients in registers
+    over all its rows, and writes them once, into row ``r`` of the partial sums."""
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < N
+    r = tl.program_id(1)
+    if HAS_W:
+        w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for block in range(r, tl.cdiv(M, BLOCK_M), tl.num_programs(1)):
+        rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+        row_ok = rows < M
+        ok = row_ok[:, None] & col_ok[None, :]
+        shift = tl.load(SUMS + rows, mask=row_ok, other=0.0)
+        mean = tl.load(SUMS + M + rows, mask=row_ok, other=0.0)
+        rstd = tl.load(SUMS + 2 * M + rows, mask=row_ok, other=0.0)
+        c1 = tl.load(SUMS + 3 * M + rows, mask=row_ok, other=0.0)
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        dy = tl.load(DY + rows[:, None] * stride_dy + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        xhat = tl.where(ok, (x - shift[:, None] - mean[:, None]) * rstd[:, None], 0.0)
+        if HAS_W:
+            wdy = dy * w[None, :]
+        else:
             wdy = dy
-            if HAS_W:
-                wdy = dy * (tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset)
-            if IS_RMS:
-                dx = (wdy - xhat * c1_row) * rstd
-            else:
-                dx = (wdy - xhat * c1_row - c2_row) * rstd
-            tl.store(dx_row + cols, dx.to(DX.dtype.element_ty), mask=col_ok, eviction_policy=DROP)
-            # Each program owns row ``pid`` of the partial sums: no other program touches it, and every row the
-            # program walks adds to it (kept in L2).
-            if WANT_DW:
-                part = DW + pid * N + cols
-                tl.store(part, tl.load(part, mask=col_ok, other=0.0, eviction_policy=KEEP) + dy * xhat,
-                         mask=col_ok, eviction_policy=KEEP)
-            if WANT_DB:
-                part = DB + pid * N + cols
-                tl.store(part, tl.load(part, mask=col_ok, other=0.0, eviction_policy=KEEP) + dy, mask=col_ok,
-                         eviction_policy=KEEP)
+        if IS_RMS:
+            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
+        else:
+            c2 = tl.load(SUMS + 4 * M + rows, mask=row_ok, other=0.0)
+            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
+        if WANT_DW:
+            dw += tl.sum(dy * xhat, axis=0)
+        if WANT_DB:
+            db += tl.sum(dy, axis=0)
+    if WANT_DW:
+        tl.store(DW + r * N + cols, dw, mask=col_ok)
+    if WANT_DB:
+        tl.store(DB + r * N + cols, db, mask=col_ok)

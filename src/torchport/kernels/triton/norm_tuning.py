@@ -64,17 +64,19 @@ def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]
     return candidates
 
 
-# The chunked kernels' "hints": 1 walks a row the second time last chunk first with L2 eviction hints, 0 walks it
+# The wide-row forward's "hints": 1 walks a row the second time last chunk first with L2 eviction hints, 0 walks it
 # forward twice without them (norm._walk); both stay candidates.
 def _fwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
     return [{"BLOCK_N": c, "num_warps": w, "hints": h}
-            for c, w, h in ((4096, 8, 1), (4096, 8, 0), (4096, 16, 1), (2048, 4, 1), (8192, 8, 1), (8192, 16, 1))]
+            for c, w, h in ((4096, 16, 1), (4096, 8, 1), (4096, 8, 0), (2048, 4, 1), (8192, 8, 1), (8192, 16, 1))]
 
 
-def _bwd_chunked_candidates(block_n: int, rows: int) -> list[autotune.Config]:
-    return [{"BLOCK_N": c, "num_warps": w, "per_sm": p, "hints": h}
-            for c, w, p, h in ((4096, 8, 2, 1), (4096, 8, 2, 0), (4096, 16, 2, 1), (2048, 8, 2, 1), (8192, 8, 2, 1),
-                               (4096, 8, 1, 1))]
+def _bwd_columns_candidates(block_n: int, rows: int) -> list[autotune.Config]:
+    """Tiles of the wide-row backward's column kernel (norm_chunked.bwd_columns_kernel): BLOCK_M rows x BLOCK_N
+    columns, ``per_sm`` programs per multiprocessor over the whole grid."""
+    return [{"BLOCK_M": m, "BLOCK_N": c, "num_warps": w, "per_sm": p}
+            for m, c, w, p in ((4, 1024, 8, 4), (8, 512, 8, 4), (2, 2048, 8, 4), (8, 1024, 8, 4), (4, 1024, 4, 8),
+                               (4, 1024, 8, 2))]
 
 
 def _bucket(m: int, n: int) -> tuple[int, int]:
@@ -92,6 +94,6 @@ FORWARD = {
 BACKWARD = {
     (True, True): autotune.Tunable("rms_norm.backward", _FIELDS, _bucket, _bwd_candidates(True)),
     (False, True): autotune.Tunable("layer_norm.backward", _FIELDS, _bucket, _bwd_candidates(False)),
-    (True, False): autotune.Tunable("rms_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
-    (False, False): autotune.Tunable("layer_norm.backward_chunked", _FIELDS, _bucket, _bwd_chunked_candidates),
+    (True, False): autotune.Tunable("rms_norm.backward_columns", _FIELDS, _bucket, _bwd_columns_candidates),
+    (False, False): autotune.Tunable("layer_norm.backward_columns", _FIELDS, _bucket, _bwd_columns_candidates),
 }
