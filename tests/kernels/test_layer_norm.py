@@ -8,7 +8,7 @@ from torchport.kernels.layer_norm import layer_norm_reference
 
 from kernel_cases import call, call_backward, check_close, gradients, leaf, relative_error
 
-SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
+SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (3, 9001), (2, 65537)]  # 9001: the fused forward, the wide backward
 
 
 def _case(shape, device, dtype, affine=True):

@@ -110,11 +110,13 @@ def fwd_chunked_kernel(
 @triton.jit
 def bwd_row_sums_kernel(
     X, W, DY, MEAN, RSTD, SUMS, M, N, stride_x, stride_dy, offset, eps,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, BLOCK_N: tl.constexpr,
+    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, SHIFTED: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):
     """The backward's first kernel, one program per row: the row's ``shift``, ``mean``, ``rstd`` (the forward's, or
     computed again where it saved none) and the two row means of the gradient, ``c1 = mean(xhat·w·dy)`` and
-    ``c2 = mean(w·dy)``, into ``SUMS[k * M + row]`` for k = 0..4 (float32)."""
+    ``c2 = mean(w·dy)``, into ``SUMS[k * M + row]`` for k = 0..4 (float32). ``SHIFTED``: the saved LayerNorm mean
+    is that of the row minus its first value (what :func:`fwd_chunked_kernel` saves), not the row's own."""
     row = tl.program_id(0).to(tl.int64)
     x_row = X + row * stride_x
     dy_row = DY + row * stride_dy
@@ -123,7 +125,8 @@ def bwd_row_sums_kernel(
         shift = 0.0
         mean = 0.0
         if not IS_RMS:
-            shift = tl.load(x_row).to(tl.float32)
+            if SHIFTED:
+                shift = tl.load(x_row).to(tl.float32)
             mean = tl.load(MEAN + row)
     else:  # the statistics again, as the forward computes them
         shift, mean, rstd = _row_stats(x_row, N, eps, IS_RMS, BLOCK_N, "")
