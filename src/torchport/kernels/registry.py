@@ -284,14 +284,14 @@ def _describe(impls: Iterable[Implementation]) -> str:
     )
 
 
-def _warn_once(op: str, name: str, device_type: str, reason: str) -> None:
+def _warn_once(op: str, name: str, device_type: str, reason: str, stacklevel: int = 4) -> None:
     key = (op, name, reason)
     if key in _warned:
         return
     _warned.add(key)
     message = f"torchport.kernels.{op}: {name} cannot run on {device_type} ({reason}); using the reference instead"
     logger.warning(message)
-    warnings.warn(message, RuntimeWarning, stacklevel=4)
+    warnings.warn(message, RuntimeWarning, stacklevel=stacklevel)
 
 
 def _is_load_failure(exc: BaseException) -> bool:
@@ -322,18 +322,27 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
     except (torch.OutOfMemoryError, *_CONTROL_FLOW):
         raise
     except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}".strip()
-        if _mode(op)[1]:
-            raise KernelError(f"{op}: the forced implementation {impl.name!r} failed on {device}: {reason}") from exc
-        if not isinstance(exc, Unsupported):
-            if not _is_load_failure(exc):
-                # A kernel that loaded but raised is a bug in it: say so loudly, keep the answer right.
-                logger.error("torchport.kernels.%s: %s raised %s", op, impl.name, reason, exc_info=exc)
-            with _lock:
-                _forget_choices()
-                _broken[(op, impl.name, device.type)] = reason
-        _warn_once(op, impl.name, device.type, reason)
+        _failed(op, impl, device, exc, "")
         return _ops[op]["reference"].fn(*args)
+
+
+def _failed(op: str, impl: Implementation, device: torch.device, exc: Exception, part: str) -> None:
+    """What a failure of ``impl``'s ``part`` ("" for the forward, "backward" for its own backward) leads to: a
+    :class:`KernelError` when the user forced it; otherwise a warning (once), and, unless the implementation only
+    declined these arguments (:class:`Unsupported`), the implementation marked broken on this device type."""
+    reason = f"{type(exc).__name__}: {exc}".strip()
+    what = f"the {part} of the forced implementation" if part else "the forced implementation"
+    if _mode(op)[1]:
+        raise KernelError(f"{op}: {what} {impl.name!r} failed on {device}: {reason}") from exc
+    if not isinstance(exc, Unsupported):
+        if not _is_load_failure(exc):
+            # A kernel that loaded but raised is a bug in it: say so loudly, keep the answer right.
+            logger.error("torchport.kernels.%s: %s%s raised %s", op, impl.name, f"'s {part}" if part else "", reason,
+                         exc_info=exc)
+        with _lock:
+            _forget_choices()
+            _broken[(op, impl.name, device.type)] = reason
+    _warn_once(op, impl.name, device.type, reason, stacklevel=5)  # one frame deeper than the other callers
 
 
 def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Sequence[bool],
@@ -353,16 +362,7 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
     except Unsupported:
         return None
     except Exception as exc:
-        reason = f"{type(exc).__name__}: {exc}".strip()
-        if _mode(op)[1]:
-            raise KernelError(f"{op}: the backward of the forced implementation {impl.name!r} failed on {device}: "
-                              f"{reason}") from exc
-        if not _is_load_failure(exc):
-            logger.error("torchport.kernels.%s: %s's backward raised %s", op, impl.name, reason, exc_info=exc)
-        with _lock:
-            _forget_choices()
-            _broken[(op, impl.name, device.type)] = reason
-        _warn_once(op, impl.name, device.type, reason)
+        _failed(op, impl, device, exc, "backward")
         return None
 
 

@@ -29,7 +29,8 @@ import triton.language as tl
 from .. import registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 from .launch import Kernel
-from .norm_chunked import bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel
+from .norm_chunked import (add_weight_gradients, bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel,
+                           input_gradient, store_weight_gradients)
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
 
@@ -104,20 +105,13 @@ def _bwd_kernel(
         else:
             wdy = dy
         c1 = tl.sum(xhat * wdy, axis=1) / N
-        if IS_RMS:
-            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
-        else:
+        c2 = c1
+        if not IS_RMS:
             c2 = tl.sum(wdy, axis=1) / N
-            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        dx = input_gradient(wdy, xhat, rstd, c1, c2, IS_RMS)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
-        if WANT_DW:
-            dw += tl.sum(dy * xhat, axis=0)
-        if WANT_DB:
-            db += tl.sum(dy, axis=0)
-    if WANT_DW:
-        tl.store(DW + pid * N + cols, dw, mask=col_ok)
-    if WANT_DB:
-        tl.store(DB + pid * N + cols, db, mask=col_ok)
+        dw, db = add_weight_gradients(dw, db, dy, xhat, WANT_DW, WANT_DB)
+    store_weight_gradients(DW, DB, pid, N, cols, col_ok, dw, db, WANT_DW, WANT_DB)
 
 
 _FWD, _FWD_CHUNKED = Kernel(_fwd_kernel), Kernel(fwd_chunked_kernel)
@@ -293,7 +287,8 @@ class _NormFunction(torch.autograd.Function):
         except Exception as exc:
             op = "rms_norm" if is_rms else "layer_norm"
             x = rows.view(shape)
-            ref = (lambda x, w, b: reference(x, w, eps, offset)) if is_rms else (lambda x, w, b: reference(x, w, b, eps))
+            ref = (lambda x, w, b: reference(x, w, eps, offset)) if is_rms else \
+                (lambda x, w, b: reference(x, w, b, eps))
             dx, dw, db = registry.backward_fallback(op, "triton", exc, was_forced, ref, (x, weight, bias), (dy,))
             return dx, dw, db, None
         # A new view, never the incoming tensor itself: autograd then hands it on (or makes it a leaf's .grad)

@@ -22,7 +22,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-__all__ = ["bwd_columns_kernel", "bwd_row_sums_kernel", "fwd_chunked_kernel"]
+__all__ = ["add_weight_gradients", "bwd_columns_kernel", "bwd_row_sums_kernel", "fwd_chunked_kernel", "input_gradient",
+           "store_weight_gradients"]
 
 
 @triton.jit
@@ -108,6 +109,35 @@ def fwd_chunked_kernel(
 
 
 @triton.jit
+def input_gradient(wdy, xhat, rstd, c1, c2, IS_RMS: tl.constexpr):
+    """dx of a tile of rows from ``w·dy``, ``xhat``, each row's ``rstd`` and its row means ``c1 = mean(xhat·w·dy)``
+    and ``c2 = mean(w·dy)`` (LayerNorm only); shared with the one-kernel backward of :mod:`.norm`."""
+    dx = wdy - xhat * c1[:, None]
+    if not IS_RMS:
+        dx = dx - c2[:, None]
+    return dx * rstd[:, None]
+
+
+@triton.jit
+def add_weight_gradients(dw, db, dy, xhat, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr):
+    """A tile's column sums added to the weight and bias gradients a program keeps in registers."""
+    if WANT_DW:
+        dw += tl.sum(dy * xhat, axis=0)
+    if WANT_DB:
+        db += tl.sum(dy, axis=0)
+    return dw, db
+
+
+@triton.jit
+def store_weight_gradients(DW, DB, row, N, cols, col_ok, dw, db, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr):
+    """A program's weight and bias gradients, into its ``row`` of the partial sums."""
+    if WANT_DW:
+        tl.store(DW + row * N + cols, dw, mask=col_ok)
+    if WANT_DB:
+        tl.store(DB + row * N + cols, db, mask=col_ok)
+
+
+@triton.jit
 def bwd_row_sums_kernel(
     X, W, DY, MEAN, RSTD, SUMS, M, N, stride_x, stride_dy, offset, eps,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_STATS: tl.constexpr, SHIFTED: tl.constexpr,
@@ -181,17 +211,10 @@ def bwd_columns_kernel(
             wdy = dy * w[None, :]
         else:
             wdy = dy
-        if IS_RMS:
-            dx = (wdy - xhat * c1[:, None]) * rstd[:, None]
-        else:
+        c2 = c1
+        if not IS_RMS:
             c2 = tl.load(SUMS + 4 * M + rows, mask=row_ok, other=0.0)
-            dx = (wdy - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
+        dx = input_gradient(wdy, xhat, rstd, c1, c2, IS_RMS)
         tl.store(DX + rows[:, None] * stride_dx + cols[None, :], dx.to(DX.dtype.element_ty), mask=ok)
-        if WANT_DW:
-            dw += tl.sum(dy * xhat, axis=0)
-        if WANT_DB:
-            db += tl.sum(dy, axis=0)
-    if WANT_DW:
-        tl.store(DW + r * N + cols, dw, mask=col_ok)
-    if WANT_DB:
-        tl.store(DB + r * N + cols, db, mask=col_ok)
+        dw, db = add_weight_gradients(dw, db, dy, xhat, WANT_DW, WANT_DB)
+    store_weight_gradients(DW, DB, r, N, cols, col_ok, dw, db, WANT_DW, WANT_DB)
