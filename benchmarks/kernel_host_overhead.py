@@ -10,7 +10,8 @@ Triton launch through ``kernel[grid]``, through torchport's bound launcher (``ke
 through the compiled kernel alone, an allocation, one ATen launch, an autograd round trip of a no-op Function,
 PyTorch's LayerNorm and torchport's RMSNorm forward without and with autograd, and each one's backward alone,
 through the autograd engine (gradients accumulated into the leaves) and as its node called directly on the calling
-thread (the engine runs a CUDA graph's nodes on a device thread of its own). Writes JSON with ``--json``.
+thread (the engine runs a CUDA graph's nodes on a device thread of its own), and fwd + bwd with the engine's
+device threads off (``torch.autograd.set_multithreading_enabled(False)``). Writes JSON with ``--json``.
 
     PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cpu --profile
     PYTHONPATH=src python benchmarks/kernel_host_overhead.py --device cuda --pieces
@@ -134,8 +135,21 @@ def pieces(device: torch.device, dtype: torch.dtype, calls: int, repeats: int) -
         "torch layer_norm bwd node called directly": lambda: theirs.grad_fn(dy),
         "torchport rms_norm bwd through the engine": lambda: ours.backward(dy, retain_graph=True),
         "torchport rms_norm bwd node called directly": lambda: ours_node(dy),
+        "torchport rms_norm fwd+bwd, retain_graph": lambda: kernels.rms_norm(x, w).backward(dy, retain_graph=True),
+        "torchport rms_norm fwd + autograd.grad": lambda: torch.autograd.grad(kernels.rms_norm(x, w), (x, w), dy),
+        "torch layer_norm fwd + autograd.grad": lambda: torch.autograd.grad(F.layer_norm(x, (64,), w, b), (x, w, b),
+                                                                            dy),
     }
-    return {name: per_call_us(fn, device, calls, repeats) for name, fn in steps.items()}
+    # The same steps with the engine's device threads off: every node runs on the calling thread.
+    single = {
+        "torch layer_norm fwd+bwd, autograd multithreading off": steps["torch layer_norm fwd+bwd"],
+        "torchport rms_norm fwd+bwd, autograd multithreading off": steps["torchport rms_norm fwd+bwd"],
+        "no-op autograd.Function fwd+bwd, autograd multithreading off": steps["no-op autograd.Function fwd+bwd"],
+    }
+    times = {name: per_call_us(fn, device, calls, repeats) for name, fn in steps.items()}
+    with torch.autograd.set_multithreading_enabled(False):
+        times.update({name: per_call_us(fn, device, calls, repeats) for name, fn in single.items()})
+    return times
 
 
 def main() -> None:
