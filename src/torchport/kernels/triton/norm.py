@@ -12,9 +12,9 @@ Where the time goes in simpler kernels, and what these do instead:
   them once; a small sum over programs finishes it. Nothing re-reads x or dy (PyTorch's eager LayerNorm backward
   reads both twice, once for dx and once for the weight gradient).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.
-* Rows longer than ``MAX_FUSED`` columns do not fit in registers; they take the chunked kernels
-  (:mod:`.norm_chunked`), which walk each row twice, hoping to find it in L2 the second time, and accumulate the
-  weight gradient in a per-program buffer in memory.
+* Rows longer than ``MAX_FUSED`` columns do not fit in registers; they, and LayerNorm's backward past half of
+  that, take the wide-row kernels of :mod:`.norm_chunked`: a forward that walks each row twice, a backward of two
+  kernels (the row sums, then dx and the weight gradients by blocks of columns).
 """
 
 from __future__ import annotations
