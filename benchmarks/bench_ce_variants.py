@@ -37,6 +37,7 @@ def variants(v: int, sms: int) -> dict[str, Launch | None]:
                 if 512 <= rows * width <= 16384:
                     out[f"rows m={rows} w={warps}"] = Launch("rows", rows, warps)
     if width > 4096:
+        out["chunked 1/row b=8192 w=16"] = Launch("chunked", 8192, 16, 0)
         out["chunked 1/row (old: forward, no hints)"] = Launch("chunked", 8192, 16, 0, reverse=False, evict=False)
         out["chunked 1/row b=16384 w=32"] = Launch("chunked", 16384, 32, 0)
         out["chunked 1/row b=8192 w=8"] = Launch("chunked", 8192, 8, 0)

@@ -268,3 +268,42 @@ def test_npu_label_smoothing_in_training_takes_the_reference(npu):
                                ("mean", {"ignore_index": 3})):
         with pytest.raises(RuntimeError, match=f"reduction='{reduction}' takes only the default"):
             npu_fused_ops.npu_cross_entropy_loss(x, safe, reduction=reduction, **options)
+
+
+def _launches() -> dict[str, object]:
+    """Every launch kind of the Triton kernel at 5000 columns: several chunks per row, the last one partial."""
+    from torchport.kernels.triton import cross_entropy as kernel
+
+    return {"rows": kernel.Launch("rows", 1, 4), "chunked": kernel.Launch("chunked", 2048, 4, 0),
+            "chunked forward, no hints": kernel.Launch("chunked", 2048, 4, 0, reverse=False, evict=False),
+            "persistent": kernel.Launch("chunked", 1024, 4, 1)}
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new buffer", "in place"])
+def test_every_launch_against_float64(device, in_place):
+    """Each launch kind on rows with ignored targets, label smoothing and z-loss, and on rows whose first 2100 logits
+    are -inf (a masked vocabulary: a chunk or part of -inf logits must not make the statistics NaN)."""
+    if not _triton_runs(device):
+        pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
+    from torchport.kernels.triton import cross_entropy as kernel
+
+    x64, t = make(6, 5000, ignored="some")
+    masked = x64.clone()
+    masked[:, :2100] = float("-inf")
+    masked_t = torch.where(t < 2100, t + 2100, t)
+    masked_t[4] = IGNORE
+    # label smoothing averages every logit, -inf ones included: smoothing only where the logits are finite
+    cases = {"smoothing": (x64, t, 0.1), "masked": (masked, masked_t, 0.0)}
+    scale = torch.full((1,), 0.5, device=device)
+    for case, (logits64, target, smoothing) in cases.items():
+        ref_x = logits64.clone().requires_grad_()
+        ref = expected(ref_x, target, smoothing, 1e-3, "none")
+        ref.sum().backward()
+        for name, launch in _launches().items():
+            logits = logits64.float().to(device)
+            grad = logits if in_place else torch.empty_like(logits)
+            out = kernel.loss_and_grad(logits, target.to(device), IGNORE, smoothing, 1e-3, scale, grad, launch)
+            torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{case}, {name}: loss: {m}")
+            torch.testing.assert_close(grad.double().cpu(), 0.5 * ref_x.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{case}, {name}: gradient: {m}")

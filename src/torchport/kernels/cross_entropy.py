@@ -13,10 +13,10 @@ deliberate difference: a mean over rows that are all ignored is 0 (gradients 0),
 Implementations:
 
 * ``triton`` on CUDA/ROCm (:mod:`torchport.kernels.triton.cross_entropy` counts its bytes): whole rows in
-  registers up to 16384 classes, an online softmax over the vocabulary in chunks beyond (any vocabulary size, no
+  registers up to 4096 classes, an online softmax over the vocabulary in chunks beyond (any vocabulary size, no
   float32 copy of the logits), with the gradient computed in the forward pass and the mean's row count kept on the
-  device (no host synchronisation). The backward only multiplies it by the upstream gradient, and skips even that when the
-  upstream gradient is 1.
+  device (no host synchronisation). The backward only multiplies it by the upstream gradient, and skips even that
+  when the upstream gradient is 1.
 * ``npu`` on Ascend through ``torch_npu.npu_cross_entropy_loss(input, target, weight, reduction, ignore_index,
   label_smoothing, ...)``, called per row (``reduction="none"``) with ignored rows masked here, because its
   contract takes targets in ``[0, C)`` and treats a negative ignore_index as "ignore nothing". Its z-loss is

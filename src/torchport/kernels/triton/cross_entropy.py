@@ -20,7 +20,11 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   1.98 ms for forward walks without the hints (78% and 71% of the copy ceiling). With ~4 programs per
   multiprocessor, 132 MB of rows are in flight between their two reads, more than the 50 MiB L2, so part of the
   second read still goes to memory; a persistent grid with fewer rows in flight (1–4 per multiprocessor) measured
-  slower still (57–74%): too few loads in flight.
+  slower still (57–74%): too few loads in flight. Neither did loading each walk's next chunk ahead help, nor
+  splitting a row over programs that hold it in registers and exchange their statistics through memory, which
+  moves the least bytes but measured 46–63% (each program idles while it waits for its row's others; notes in
+  ``benchmarks/KERNELS_NOTES.md``). Rows up to 32768 columns walk with 8 warps a program (88–96%), wider ones
+  with 16.
 
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
@@ -44,6 +48,15 @@ __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "scale_rows
 
 _ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
 _BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
+_EIGHT_WARPS_MAX = 32768  # rows up to this width walk with 8 warps a program, wider ones with 16
+
+
+@triton.jit
+def _row_loss(lse, x_t, total, V, smoothing, z_loss):
+    """A row's loss from its log-sum-exp, target logit and logit sum; the smoothing term only where smoothing is on
+    (a masked vocabulary's -inf logits sum to -inf, and 0 · -inf would be NaN)."""
+    smooth = tl.where(smoothing != 0.0, smoothing * total / V, 0.0)
+    return lse - (1.0 - smoothing) * x_t - smooth + z_loss * lse * lse
 
 
 @triton.jit
@@ -68,7 +81,7 @@ def _rows_kernel(
     is_t = cols[None, :] == target[:, None]
     x_t = tl.sum(tl.where(is_t, x, 0.0), axis=1)
     total = tl.sum(tl.where(ok, x, 0.0), axis=1)
-    loss = lse - (1.0 - smoothing) * x_t - smoothing * total / V + z_loss * lse * lse
+    loss = _row_loss(lse, x_t, total, V, smoothing, z_loss)
     tl.store(LOSS + rows64, tl.where(valid, loss, 0.0), mask=row_ok)
     if WANT_GRAD:
         scale = tl.load(SCALE)
@@ -109,12 +122,13 @@ def _chunked_kernel(
                 ok = offs < V
                 x = tl.load(x_row + offs, mask=ok, other=-float("inf"), eviction_policy=KEEP).to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=0))
-                d = d * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # leading -inf chunks (a masked vocabulary)
+                d = d * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
                 m = m_new
                 total += tl.sum(tl.where(ok, x, 0.0), axis=0)
             lse = m + tl.log(d)
             x_t = tl.load(x_row + target).to(tl.float32)
-            loss = lse - (1.0 - smoothing) * x_t - smoothing * total / V + z_loss * lse * lse
+            loss = _row_loss(lse, x_t, total, V, smoothing, z_loss)
             tl.store(LOSS + row64, loss)
             if WANT_GRAD:
                 # pass 2: the gradient, chunk by chunk, last chunk first (each value is read before it is
@@ -153,6 +167,10 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
     if width <= _ROW_MAX:
         # 2048 values (4 warps) per program: measured best at 256 and 4096 columns (8192 rows, H100)
         return Launch("rows", max(1, 2048 // width), 4)
+    if width <= _EIGHT_WARPS_MAX:
+        # 8 warps: 8192 columns 90.4% of the copy ceiling against 79.9% with 16 (16384: 96.0 / 89.8%; 32000:
+        # 93.2 / 91.6%; H100, 8192 rows; the H200 showed the same order)
+        return Launch("chunked", 4096 if width <= 8192 else _BLOCK, 8, 0)
     return Launch("chunked", min(_BLOCK, width), 16, 0)
 
 
