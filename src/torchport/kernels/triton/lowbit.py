@@ -16,6 +16,10 @@ decode it in registers:
 * more rows (prefill): ``gemm_kernel`` with large tiles, or the weight dequantised into the activation dtype (one
   pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls).
 
+``gemm_kernel`` is a candidate in two orientations: the activations as the dot's A operand, or (``WEIGHT_A``) the
+decoded weights, which Hopper's tensor cores take from registers (RESULTS.md, issue 24: up to 25% faster at 2048
+rows, a few % at 16 rows on some layers).
+
 Launch configurations are autotuned per shape bucket (:mod:`.autotune`, which times each candidate with L2 cleared:
 a decode step reads every weight once, from DRAM); ``KERNEL`` in a configuration names the kernel (``_GEMV``,
 ``_GEMV_TILED``, ``_MMA``, ``_ROWS``, ``_DENSE``, ``_GEMM``).
@@ -64,6 +68,9 @@ def _candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.C
                                             (64, 256, 8, 3)):
         configs.append({"KERNEL": _GEMM, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": _gemm_block_k(fmt, block_k, k),
                         "num_warps": warps, "num_stages": stages})
+    for block_n, block_k, warps, stages in ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3)):
+        configs.append({"KERNEL": _GEMM, "WEIGHT_A": True, "BLOCK_M": 16, "BLOCK_N": block_n,
+                        "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps, "num_stages": stages})
     configs.append({"KERNEL": _MMA, "BLOCK_N": 32, "BLOCK_K": _block_k(fmt, 256, k, group), "num_warps": 4})
     if _words_fit(fmt, k) and m <= 4:
         for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4), (4, 128, 4)):
@@ -84,6 +91,12 @@ def _prefill_candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[au
                                                      (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)):
         configs.append({"KERNEL": _GEMM, "BLOCK_M": min(block_m, max(16, next_power_of_2(m))), "BLOCK_N": block_n,
                         "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps, "num_stages": stages})
+    # the weights as the dot's A operand (``WEIGHT_A``): output-feature tiles of 64 or more (wgmma's A rows)
+    for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
+                                                     (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)):
+        configs.append({"KERNEL": _GEMM, "WEIGHT_A": True, "BLOCK_M": min(block_m, max(16, next_power_of_2(m))),
+                        "BLOCK_N": block_n, "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps,
+                        "num_stages": stages})
     return autotune.distinct(configs)
 
 
@@ -245,8 +258,8 @@ def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
         *buffers, m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
         FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type == "cpu",
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, num_warps=config["num_warps"],
-        num_stages=config.get("num_stages", 3),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_A=bool(config.get("WEIGHT_A", False)),
+        num_warps=config["num_warps"], num_stages=config.get("num_stages", 3),
     )
     return y
 

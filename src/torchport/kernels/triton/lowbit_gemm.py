@@ -26,9 +26,15 @@ __all__ = ["gemm_kernel"]
 def gemm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, K_SPLIT,
                 stride_xm, stride_qn, stride_sn, stride_ym, FORMAT: tl.constexpr, GROUP: tl.constexpr,
                 HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                WEIGHT_A: tl.constexpr = False):
     """Tile ``program_id(0)`` (grouped: ``GROUP_M`` row tiles share each weight tile while it is in L2), K range
-    ``program_id(1) * K_SPLIT ..`` (a multiple of ``BLOCK_K``)."""
+    ``program_id(1) * K_SPLIT ..`` (a multiple of ``BLOCK_K``).
+
+    ``WEIGHT_A``: the transposed product ``y.T = W · x.T``, the decoded weights as the dot's A operand. Hopper's
+    tensor cores (wgmma) take A from registers and only B from shared memory, so the decoded tile feeds them as
+    computed, with no store to shared memory and no transpose, and the activations' tiles are the loads the
+    pipeline prefetches; the accumulator is ``[BLOCK_N, BLOCK_M]``, transposed once at the store."""
     pid = tl.program_id(0)
     pid_k = tl.program_id(1)
     tiles_m = tl.cdiv(M, BLOCK_M)
@@ -45,16 +51,26 @@ def gemm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
     # Dots run in the activations' dtype (tensor cores), or in float32 under Triton's interpreter, whose NumPy
     # arrays have no bfloat16 product.
     dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WEIGHT_A:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_begin = pid_k * K_SPLIT
     k_end = tl.minimum(K, k_begin + K_SPLIT)
     x_rows = x_ptr + rm[:, None] * stride_xm
+    x_cols = x_ptr + rm[None, :] * stride_xm
     for k0 in range(k_begin, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(dtype)
         w = decode_tile(q_ptr, s_ptr, o_ptr, g_ptr, rn, mask_n, k0, K, stride_qn, stride_sn, FORMAT, GROUP,
                         BLOCK_N, BLOCK_K)
-        acc += tl.dot(x, tl.trans(w.to(dtype)), input_precision=PRECISION)
+        if WEIGHT_A:
+            xt = tl.load(x_cols + k[:, None], mask=(k < K)[:, None] & mask_m[None, :], other=0.0).to(dtype)
+            acc += tl.dot(w.to(dtype), xt, input_precision=PRECISION)
+        else:
+            x = tl.load(x_rows + k[None, :], mask=mask_m[:, None] & (k < K)[None, :], other=0.0).to(dtype)
+            acc += tl.dot(x, tl.trans(w.to(dtype)), input_precision=PRECISION)
+    if WEIGHT_A:
+        acc = tl.trans(acc)
     if FORMAT == INT8 or FORMAT == FP8:
         acc = acc * tl.load(s_ptr + rn * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
