@@ -38,6 +38,10 @@ def variants(v: int, sms: int) -> dict[str, Launch | None]:
                     out[f"rows m={rows} w={warps}"] = Launch("rows", rows, warps)
     if width > 4096:
         out["chunked 1/row b=8192 w=16"] = Launch("chunked", 8192, 16, 0)
+        if width > 32768:
+            for per_sm, block, warps in ((1, 16384, 32), (1, 8192, 32), (2, 8192, 16), (1, 32768, 32)):
+                out[f"prefetch persistent {per_sm}/SM b={block} w={warps}"] = Launch("chunked", block, warps, per_sm,
+                                                                                     prefetch=True)
         out["chunked 1/row (old: forward, no hints)"] = Launch("chunked", 8192, 16, 0, reverse=False, evict=False)
         out["chunked 1/row b=16384 w=32"] = Launch("chunked", 16384, 32, 0)
         out["chunked 1/row b=8192 w=8"] = Launch("chunked", 8192, 8, 0)

@@ -276,7 +276,9 @@ def _launches() -> dict[str, object]:
 
     return {"rows": kernel.Launch("rows", 1, 4), "chunked": kernel.Launch("chunked", 2048, 4, 0),
             "chunked forward, no hints": kernel.Launch("chunked", 2048, 4, 0, reverse=False, evict=False),
-            "persistent": kernel.Launch("chunked", 1024, 4, 1)}
+            "persistent": kernel.Launch("chunked", 1024, 4, 1),
+            "prefetch": kernel.Launch("chunked", 2048, 4, 0, prefetch=True),
+            "persistent, prefetch, forward": kernel.Launch("chunked", 1024, 4, 1, reverse=False, prefetch=True)}
 
 
 @pytest.mark.parametrize("in_place", [False, True], ids=["new buffer", "in place"])

@@ -13,18 +13,18 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   warps), each read once into registers; the maximum, log-sum-exp, loss and gradient come from those registers, so
   the kernel moves exactly 2·N·V·s. Several rows per program keep small vocabularies (256 columns: 512 bytes a row)
   from being one tiny program per row.
-* **Longer rows**: one program per row walks it in chunks of ``BLOCK`` columns twice — an online softmax (running
+* **Longer rows**: a program walks each row in chunks of ``BLOCK`` columns twice — an online softmax (running
   maximum and sum of ``exp(x - max)``) for its log-sum-exp, then the gradient. The second read should come from
   L2, or the kernel moves 3·N·V·s: the first pass loads with ``evict_last``, the second walks the row backwards (the
-  chunks read last come back first) and loads and stores with ``evict_first``. 8192 x 128256 bf16: 1.80 ms against
-  1.98 ms for forward walks without the hints (78% and 71% of the copy ceiling). With ~4 programs per
-  multiprocessor, 132 MB of rows are in flight between their two reads, more than the 50 MiB L2, so part of the
-  second read still goes to memory; a persistent grid with fewer rows in flight (1–4 per multiprocessor) measured
-  slower still (57–74%): too few loads in flight. Neither did loading each walk's next chunk ahead help, nor
-  splitting a row over programs that hold it in registers and exchange their statistics through memory, which
-  moves the least bytes but measured 46–63% (each program idles while it waits for its row's others; notes in
-  ``benchmarks/KERNELS_NOTES.md``). Rows up to 32768 columns walk with 8 warps a program (88–96%), wider ones
-  with 16.
+  chunks read last come back first) and loads and stores with ``evict_first``. Up to 65536 columns, one program per
+  row (8 warps up to 32768 columns, 88–96% of the copy ceiling; 16 beyond). Wider rows take a persistent grid of
+  one 32-warp program per multiprocessor that loads each 32768-column chunk ahead (``prefetch``): 132 rows in flight
+  between their two reads (34 MB at 128256 bf16 columns) fit in the 50 MiB L2, where a program per row had ~4 per
+  multiprocessor, 132 MB, and read part of each row twice from memory; without the loads ahead, so few programs
+  kept too few loads in flight (57–74%). 8192 x 128256 bf16: 1.672 ms, 83.8% of the ceiling, against 1.901 ms for
+  a program per row in the same run (an H100; another H100 had measured that launch at 1.80 ms, 77.6%).
+  Splitting a row over programs that hold it in registers and exchange their statistics through memory moves the
+  least bytes but measured 46–63% (notes in ``benchmarks/KERNELS_NOTES.md``).
 
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
@@ -49,6 +49,7 @@ __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "scale_rows
 _ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
 _BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
 _EIGHT_WARPS_MAX = 32768  # rows up to this width walk with 8 warps a program, wider ones with 16
+_ONE_ROW_PER_PROGRAM_MAX = 65536  # wider rows: a persistent grid, one program per multiprocessor
 
 
 @triton.jit
@@ -93,11 +94,23 @@ def _rows_kernel(
 
 
 @triton.jit
+def _chunk(row_ptr, index, cols, V, other, policy: tl.constexpr, BLOCK: tl.constexpr):
+    """Chunk ``index`` of a row, in the logits' dtype (a chunk outside the row loads nothing)."""
+    offs = index * BLOCK + cols
+    return tl.load(row_ptr + offs, mask=(offs >= 0) & (offs < V), other=other, eviction_policy=policy)
+
+
+@triton.jit
 def _chunked_kernel(
     X, DX, T, LOSS, SCALE, stride_x, stride_dx, N, V, ignore_index, smoothing, z_loss,
     WANT_GRAD: tl.constexpr, BLOCK: tl.constexpr, REVERSE: tl.constexpr, KEEP: tl.constexpr,
-    DROP: tl.constexpr,
+    DROP: tl.constexpr, PREFETCH: tl.constexpr,
 ):
+    """Rows ``program_id(0)``, ``+ num_programs(0)``, ... walked twice in chunks of ``BLOCK`` columns.
+
+    ``PREFETCH``: both walks load the next chunk before working on the current one, so that a program keeps two
+    chunks of loads in flight (Triton pipelines only loads that feed a dot): with it, a persistent grid of one
+    program per multiprocessor, whose rows in flight fit in L2, still keeps the memory busy."""
     cols = tl.arange(0, BLOCK)
     chunks = tl.cdiv(V, BLOCK)
     for row in range(tl.program_id(0), N, tl.num_programs(0)):
@@ -117,15 +130,20 @@ def _chunked_kernel(
             m = -float("inf")
             d = 0.0
             total = 0.0
-            for start in range(0, V, BLOCK):
-                offs = start + cols
-                ok = offs < V
-                x = tl.load(x_row + offs, mask=ok, other=-float("inf"), eviction_policy=KEEP).to(tl.float32)
+            if PREFETCH:
+                ahead = _chunk(x_row, 0, cols, V, -float("inf"), KEEP, BLOCK)
+            for i in range(chunks):
+                if PREFETCH:
+                    raw = ahead
+                    ahead = _chunk(x_row, i + 1, cols, V, -float("inf"), KEEP, BLOCK)
+                else:
+                    raw = _chunk(x_row, i, cols, V, -float("inf"), KEEP, BLOCK)
+                x = raw.to(tl.float32)
                 m_new = tl.maximum(m, tl.max(x, axis=0))
                 m_safe = tl.where(m_new == -float("inf"), 0.0, m_new)  # leading -inf chunks (a masked vocabulary)
                 d = d * tl.exp(m - m_safe) + tl.sum(tl.exp(x - m_safe), axis=0)
                 m = m_new
-                total += tl.sum(tl.where(ok, x, 0.0), axis=0)
+                total += tl.sum(tl.where(i * BLOCK + cols < V, x, 0.0), axis=0)
             lse = m + tl.log(d)
             x_t = tl.load(x_row + target).to(tl.float32)
             loss = _row_loss(lse, x_t, total, V, smoothing, z_loss)
@@ -135,23 +153,27 @@ def _chunked_kernel(
                 # overwritten when DX is X)
                 scale = tl.load(SCALE)
                 softmax_factor = 1.0 + 2.0 * z_loss * lse
+                if PREFETCH:
+                    ahead = _chunk(x_row, chunks - 1 if REVERSE else 0, cols, V, 0.0, DROP, BLOCK)
                 for i in range(chunks):
-                    if REVERSE:
-                        start = (chunks - 1 - i) * BLOCK
+                    index = chunks - 1 - i if REVERSE else i
+                    if PREFETCH:
+                        raw = ahead
+                        ahead = _chunk(x_row, index - 1 if REVERSE else index + 1, cols, V, 0.0, DROP, BLOCK)
                     else:
-                        start = i * BLOCK
-                    offs = start + cols
-                    ok = offs < V
-                    x = tl.load(x_row + offs, mask=ok, other=0.0, eviction_policy=DROP).to(tl.float32)
-                    g = tl.exp(x - lse) * softmax_factor - smoothing / V
+                        raw = _chunk(x_row, index, cols, V, 0.0, DROP, BLOCK)
+                    offs = index * BLOCK + cols
+                    g = tl.exp(raw.to(tl.float32) - lse) * softmax_factor - smoothing / V
                     g = tl.where(offs == target, g - (1.0 - smoothing), g)
-                    tl.store(dx_row + offs, (g * scale).to(DX.dtype.element_ty), mask=ok, eviction_policy=DROP)
+                    tl.store(dx_row + offs, (g * scale).to(DX.dtype.element_ty), mask=offs < V,
+                             eviction_policy=DROP)
 
 
 @dataclasses.dataclass(frozen=True)
 class Launch:
     """How :func:`loss_and_grad` launches: ``rows`` (``block`` = rows per program, each whole in registers) or
-    ``chunked`` (``block`` = columns per step, ``per_sm`` programs per multiprocessor, 0 for one per row)."""
+    ``chunked`` (``block`` = columns per step, ``per_sm`` programs per multiprocessor, 0 for one per row;
+    ``prefetch``: each walk loads a chunk ahead)."""
 
     kind: str
     block: int
@@ -159,6 +181,7 @@ class Launch:
     per_sm: int = 0
     reverse: bool = True
     evict: bool = True
+    prefetch: bool = False
 
 
 def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
@@ -171,6 +194,11 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
         # 8 warps: 8192 columns 90.4% of the copy ceiling against 79.9% with 16 (16384: 96.0 / 89.8%; 32000:
         # 93.2 / 91.6%; H100, 8192 rows; the H200 showed the same order)
         return Launch("chunked", 4096 if width <= 8192 else _BLOCK, 8, 0)
+    if width > _ONE_ROW_PER_PROGRAM_MAX:
+        # one program of 32 warps per multiprocessor, chunks of 32768 columns loaded ahead: 132 rows in flight
+        # (34 MB at 128256 bf16 columns) fit in L2 for the second walk. H100, one run: 128256 columns 1.672 ms
+        # (83.8% of the copy ceiling) against 1.901 ms (73.7%) for a program per row; 262144: 79.0 / 71.5%
+        return Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)
     return Launch("chunked", min(_BLOCK, width), 16, 0)
 
 
@@ -206,7 +234,8 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
         programs = n if plan.per_sm == 0 else min(n, sms * plan.per_sm)
         _chunked_kernel[(programs,)](*args, WANT_GRAD=grad_out is not None, BLOCK=block, REVERSE=plan.reverse,
                                      KEEP="evict_last" if plan.evict else "",
-                                     DROP="evict_first" if plan.evict else "", num_warps=plan.warps)
+                                     DROP="evict_first" if plan.evict else "",
+                                     PREFETCH=plan.prefetch, num_warps=plan.warps)
     return loss
 
 
