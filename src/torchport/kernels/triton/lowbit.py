@@ -125,15 +125,23 @@ def _gemv_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Conf
     """One row: ``gemv_kernel``'s output features and words per tile, warps, K split and prefetch (the heuristic
     first: small blocks of features where they are few, so that every multiprocessor has programs), then the tiled
     kernel's. Split K where the output features give fewer than ~4 programs per multiprocessor (k/v and q/o
-    projections: 128-512 programs for 132 SMs) and along long rows (the down projection)."""
+    projections: 128-512 programs for 132 SMs) and along long rows (the down projection).
+
+    Programs of one or two warps with 16-64 rows: a thread then holds one word column for many rows and loads that
+    column's activations once for all of them. With 4 warps over 128 words the activation gathers (eight strided
+    loads per word column, one per code position) kept L1 at 75% of its throughput while DRAM ran at 35% (ncu, int4
+    lm_head); one warp over 32 rows x 32 words ran that layer 1.38x faster (RESULTS.md, issue 24)."""
     configs = []
     if _words_fit(fmt, k):
         if n <= 2048:
             shapes = ((4, 256, 4, 1, 0), (4, 128, 4, 4, 0), (4, 128, 4, 2, 1), (2, 128, 4, 4, 0), (8, 64, 4, 8, 0),
-                      (4, 64, 2, 8, 0), (8, 128, 4, 4, 1), (8, 128, 4, 1, 0))
+                      (4, 64, 2, 8, 0), (8, 128, 4, 4, 1), (8, 128, 4, 1, 0), (16, 64, 1, 4, 0), (8, 64, 1, 8, 0),
+                      (16, 32, 1, 8, 0), (8, 128, 2, 4, 0))
         else:
             shapes = ((8, 128, 4, 1, 0), (8, 128, 4, 1, 1), (8, 128, 4, 2, 0), (8, 128, 4, 4, 0), (4, 128, 4, 2, 1),
-                      (16, 128, 4, 1, 1), (16, 64, 4, 2, 1), (4, 256, 4, 1, 0), (8, 256, 8, 1, 1))
+                      (16, 128, 4, 1, 1), (16, 64, 4, 2, 1), (4, 256, 4, 1, 0), (8, 256, 8, 1, 1),
+                      (16, 128, 2, 1, 0), (16, 128, 2, 1, 1), (32, 128, 4, 1, 0), (32, 64, 2, 1, 0), (16, 64, 1, 1, 0),
+                      (32, 32, 1, 1, 0), (8, 128, 1, 1, 0), (64, 32, 1, 1, 0), (32, 32, 1, 4, 0), (16, 64, 1, 4, 0))
         words = max(1, k // (4 if fmt in _PER_CHANNEL else 8))
         for block_n, block_w, warps, split, prefetch in shapes:
             block_w = min(block_w, next_power_of_2(words))
