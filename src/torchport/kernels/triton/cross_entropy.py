@@ -48,8 +48,8 @@ __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "scale_rows
 
 _ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
 _BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
-_EIGHT_WARPS_MAX = 32768  # rows up to this width walk with 8 warps a program, wider ones with 16
-_ONE_ROW_PER_PROGRAM_MAX = 65536  # wider rows: a persistent grid, one program per multiprocessor
+_EIGHT_WARPS_MAX = 32768  # rows up to this width: a program of 8 warps per row; up to the next, of 16 warps
+_ONE_ROW_PER_PROGRAM_MAX = 65536  # wider rows: a persistent grid, one program of 32 warps per multiprocessor
 
 
 @triton.jit
