@@ -9,6 +9,8 @@ embedding stays bf16. For each contender:
 * **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5; for torchport's formats twice:
   in the default mode (each layer dequantises its weight per call and drops it: weight memory unchanged), and with
   ``QuantizedLinear.cache_dequantized`` (the dense weight kept after the first call: its extra memory is reported);
+* **kernel profile** (``--profile``, CUDA): the GPU time of one prefill and of one eager decode step summed over
+  their kernels, and the ten kernels that take the most, to set beside the wall-clock figures;
 * **weight memory**: device bytes held by the model (``memory_allocated`` before and after building it), and the
   bytes of the linear layers alone;
 * **accuracy**: logits of a 256-token prompt against the bf16 model's: relative error (Frobenius) and the mean
@@ -114,19 +116,64 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
     return steps / seconds
 
 
-def measure_prefill(model: Llama, device: torch.device, tokens: int) -> float:
+def measure_prefill(model: Llama, device: torch.device, tokens: int, runs: list[float] | None = None) -> float:
+    """Prefill tokens/s, median of 5 timed forwards after one untimed (which compiles and tunes); ``runs`` receives
+    each timed forward's milliseconds."""
     prompt = torch.randint(0, model.config["vocab"], (1, tokens), device=device)
     times = []
     with torch.no_grad():
         for i in range(6):
-            caches = new_caches(model, device) if tokens <= MAX_SEQ else _long_caches(model, device, tokens)
+            caches = _prefill_caches(model, device, tokens)
             _sync(device)
             began = time.perf_counter()
             model(prompt, torch.arange(tokens, device=device), caches, decode=False)
             _sync(device)
             if i:
                 times.append(time.perf_counter() - began)
+    if runs is not None:
+        runs.extend(round(t * 1e3, 2) for t in times)
     return tokens / statistics.median(times)
+
+
+def _prefill_caches(model: Llama, device: torch.device, tokens: int) -> list:
+    return new_caches(model, device) if tokens <= MAX_SEQ else _long_caches(model, device, tokens)
+
+
+def kernel_profile(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor, top: int = 10
+                   ) -> dict[str, Any]:
+    """GPU time of one prefill and of one eager decode step, summed over their kernels (``torch.profiler``), with
+    the ``top`` kernels of each by time: where a contender's step goes, beside the wall-clock figures."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(fn) -> tuple[float, list[dict[str, Any]]]:
+        _sync(device)
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            _sync(device)
+        by_name: dict[str, list[float]] = {}
+        for event in prof.events():
+            if event.device_type == torch.autograd.DeviceType.CUDA:
+                entry = by_name.setdefault(event.name, [0.0, 0])
+                entry[0] += event.device_time / 1e3
+                entry[1] += 1
+        ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+        return (round(sum(v[0] for v in by_name.values()), 3),
+                [{"kernel": name[:120], "ms": round(ms, 3), "calls": calls} for name, (ms, calls) in ranked])
+
+    with torch.no_grad():
+        long_prompt = torch.randint(0, model.config["vocab"], (1, tokens), device=device)
+        caches = _prefill_caches(model, device, tokens)
+        prefill_ms, prefill_top = kernels(
+            lambda: model(long_prompt, torch.arange(tokens, device=device), caches, decode=False))
+        caches = new_caches(model, device)
+        start = prompt.shape[1]
+        model(prompt, torch.arange(start, device=device), caches, decode=False)
+        token = prompt[:, -1:].clone()
+        position = torch.tensor([start], device=device)
+        model(token, position, caches, decode=True)  # warm-up at this position
+        decode_ms, decode_top = kernels(lambda: model(token, position, caches, decode=True))
+    return {"prefill_gpu_ms": prefill_ms, "prefill_kernels": prefill_top, "decode_gpu_ms": decode_ms,
+            "decode_kernels": decode_top}
 
 
 def measure_cached_prefill(model: Llama, device: torch.device, tokens: int) -> dict[str, float]:
@@ -251,8 +298,11 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["allocated_bytes"] = base_bytes if name == "bf16" else _allocated(device) - start
             row["linear_bytes"] = _linear_bytes(model)
             row.update(accuracy(logits_of(model, device, prompt), reference))
-            row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens)
+            row["prefill_runs_ms"] = []
+            row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens, row["prefill_runs_ms"])
             row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
+            if args.profile and device.type == "cuda":
+                row.update(kernel_profile(model, device, args.prefill_tokens, prompt[:, :64]))
             if name.startswith("torchport-"):
                 row.update(measure_cached_prefill(model, device, args.prefill_tokens))
         except Exception as exc:  # one contender failing must not lose the others' figures
@@ -294,6 +344,21 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def profile_table(rows: list[dict[str, Any]]) -> str:
+    """Wall-clock against summed kernel time (``--profile``): a prefill or step whose wall time is far above its GPU
+    time waits on the host, not on its kernels."""
+    head = f"{'contender':<18}{'prefill ms':>11}{'GPU ms':>9}{'step ms':>9}{'GPU ms':>9}  top prefill / decode kernel"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "prefill_gpu_ms" not in r:
+            continue
+        lines.append(
+            f"{r['contender']:<18}{statistics.median(r['prefill_runs_ms']):>11.1f}{r['prefill_gpu_ms']:>9.1f}"
+            f"{1e3 / r['decode_tok_s']:>9.2f}{r['decode_gpu_ms']:>9.2f}  {r['prefill_kernels'][0]['kernel'][:30]} / "
+            f"{r['decode_kernels'][0]['kernel'][:30]}")
+    return "\n".join(lines)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default=None, help="device (default: torchport.device())")
@@ -304,11 +369,15 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")
+    parser.add_argument("--profile", action="store_true",
+                        help="also record each contender's GPU kernel time of one prefill and one decode step")
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     model_def.OPS = model_def.PlainOps if args.plain_ops else model_def.FusedOps
     rows = run(args)
     print(table(rows))
+    if args.profile:
+        print(profile_table(rows))
     if args.json:
         import torchport
         from torchport.backends import get_backend

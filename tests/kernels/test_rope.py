@@ -8,8 +8,10 @@ from torchport.kernels.rope import rope_reference
 
 from kernel_cases import call, check_close, gradients, leaf, on_chip
 
-# (batch, q heads, kv heads, seq, head_dim)
-SHAPES = [(1, 1, 1, 1, 2), (2, 3, 1, 5, 6), (2, 5, 2, 7, 128), (1, 4, 4, 3, 80)]
+# (batch, q heads, kv heads, seq, head_dim). The Triton kernel splits the heads over programs when there are few
+# runs of positions: one head each for the short ones; 2x128 positions split 7 heads in two programs whose second
+# holds the last q head and both k heads; 600 positions are not split.
+SHAPES = [(1, 1, 1, 1, 2), (2, 3, 1, 5, 6), (2, 5, 2, 7, 128), (1, 4, 4, 3, 80), (2, 5, 2, 128, 16), (1, 2, 1, 600, 8)]
 
 
 def _cos_sin(batch, seq, dim, gen):
