@@ -3,10 +3,11 @@
 Each kernel declares a :class:`Tunable`: a name, the fields of its shape bucket (say the row length rounded up to a
 power of two and a coarse row count), and a function giving the candidate configurations of a bucket — block
 sizes, warps, programs per multiprocessor — with the hand-tuned heuristic first. The first launch in a bucket
-times every candidate on the device (``triton.testing.do_bench``, median, L2 cleared before each run), keeps the
-fastest, and writes it to a JSON file in ``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``),
-one file per device model, Triton version and torchport version. Later launches in the process find it in a dict
-keyed by the exact sizes (``Tunable.lookup``); later processes read it from the file and time nothing.
+times every candidate on the device (median device time, L2 cleared before each run, launches queued ahead of the
+device so that host time is not counted: ``_do_bench``), keeps the fastest, and writes it to a JSON file in
+``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``), one file per device model, Triton version
+and torchport version. Later launches in the process find it in a dict keyed by the exact sizes
+(``Tunable.lookup``); later processes read it from the file and time nothing.
 
 Where nothing can be timed — Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), a device without events,
 inside ``torch.compile`` tracing or CUDA-graph capture — the heuristic is used and nothing is written.
@@ -31,6 +32,7 @@ import functools
 import logging
 import math
 import os
+import statistics
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -47,7 +49,9 @@ from ..checks import capturing
 __all__ = ["FORMAT", "Tunable", "cache_path", "clear_cache", "coarse", "distinct", "enabled", "entries",
            "list_tunables", "set_enabled", "timer"]
 
-_WARMUP_MS, _REP_MS = 5, 25  # do_bench budget per candidate: 6 candidates tune in roughly 0.2-0.5 s
+_WARMUP_MS, _REP_MS = 5, 25  # timing budget per candidate: 6 candidates tune in roughly 0.2-0.5 s
+_CLEAR_BYTES = 256 * 2**20  # written before each timed run: more than any L2 (Triton's do_bench writes as much)
+_LEAD_LIMIT = 4000  # writes queued ahead of the timed runs at most (about 0.35 s of an H100)
 _MARGIN = 0.02  # another candidate replaces the heuristic only when it is at least 2% faster
 _MEMO_SIZE = 4096  # distinct sizes remembered per kernel before the exact-size memo starts over
 
@@ -55,7 +59,7 @@ Config = dict[str, int]
 Launch = Callable[[Config], Any]
 
 #: The function that times one candidate: ``timer(run, config, device) -> milliseconds``, where ``run()``
-#: launches the kernel once with ``config``. None: ``triton.testing.do_bench`` where the device can be timed,
+#: launches the kernel once with ``config``. None: ``_do_bench`` (device events) where the device can be timed,
 #: and no tuning elsewhere. Tests and experiments replace it (a set timer is used even under the interpreter).
 timer: Callable[[Callable[[], Any], Config, torch.device], float] | None = None
 
@@ -217,9 +221,58 @@ def _valid_config(entry: Any, candidates: list[Config]) -> Config | None:
 
 # -- timing ---------------------------------------------------------------------------------------------------------
 def _do_bench(run: Callable[[], Any], config: Config, device: torch.device) -> float:
-    from triton.testing import do_bench
+    """Median device time of ``run()`` in ms over about ``_REP_MS``, each run timed between two events right after a
+    write of ``_CLEAR_BYTES`` (so that it starts with a cold L2, as in ``triton.testing.do_bench``).
 
-    return float(do_bench(run, warmup=_WARMUP_MS, rep=_REP_MS, return_mode="median"))
+    Unlike ``do_bench``, the host first queues enough of those writes for the device to stay busy until every timed
+    run is queued: a run whose launch costs the host more than the device spends on the write and the run (a 10 us
+    one-row kernel behind 40-80 us of Python) would otherwise have the host's gap counted as its time. On an H100
+    ``do_bench`` timed such candidates at 33-46 us that take 13-16 us (RESULTS.md, issue 24).
+    """
+    backend = get_backend(device.type)
+    index = device.index if device.index is not None else backend.current_index()
+    clear = torch.empty(_CLEAR_BYTES // 4, dtype=torch.int32, device=device)
+
+    def timed(count: int, lead: int) -> tuple[list[float], float]:
+        """(the device ms of ``count`` runs, the host ms per queued iteration)."""
+        events = [(backend.event(enable_timing=True), backend.event(enable_timing=True)) for _ in range(count)]
+        for _ in range(lead):
+            clear.zero_()
+        began = time.perf_counter()
+        for start, end in events:
+            clear.zero_()
+            start.record()
+            run()
+            end.record()
+        host = (time.perf_counter() - began) * 1e3 / count
+        backend.synchronize(index)
+        return [start.elapsed_time(end) for start, end in events], host
+
+    run()
+    backend.synchronize(index)
+    estimate, host = timed(5, 0)  # also the warm-up's first part
+    clearing = _timed_clear(backend, index, clear)
+    per_run = max(statistics.median(estimate), 1e-3)
+    count = max(3, min(1000, int(_REP_MS / (per_run + clearing))))
+    warm = max(1, min(1000, int(_WARMUP_MS / (per_run + clearing))))
+    timed(warm, 0)
+    # the host's expected shortfall over all timed runs, with a margin, paid in advance as clears
+    shortfall = count * max(0.0, 1.5 * host - (per_run + clearing))
+    lead = min(_LEAD_LIMIT, math.ceil(shortfall / max(clearing, 1e-3)) + 2)
+    times, _ = timed(count, lead)
+    return float(statistics.median(times))
+
+
+def _timed_clear(backend: Any, index: int, clear: torch.Tensor) -> float:
+    """Device ms of one write of ``clear`` (median of five, after one untimed)."""
+    clear.zero_()
+    pairs = [(backend.event(enable_timing=True), backend.event(enable_timing=True)) for _ in range(5)]
+    for start, end in pairs:
+        start.record()
+        clear.zero_()
+        end.record()
+    backend.synchronize(index)
+    return statistics.median(start.elapsed_time(end) for start, end in pairs)
 
 
 def _interpreted() -> bool:
