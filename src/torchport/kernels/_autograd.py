@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator, Sequence
 
 import torch
 
-__all__ = ["autograd_enabled", "fresh", "vjp"]
+__all__ = ["apply", "autograd_enabled", "fresh", "vjp"]
 
 
 def _keys_excluded_below_autograd() -> torch._C.DispatchKeySet:
@@ -42,6 +42,36 @@ def autograd_enabled() -> Iterator[None]:
     exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
     with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
         yield
+
+
+class _Discard:
+    """The ``ctx`` an autograd Function's forward gets from :func:`apply` when no gradient can be asked for: what the
+    forward saves for its backward is dropped."""
+
+    __slots__ = ()
+    needs_input_grad: tuple[bool, ...] = ()
+
+    def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        pass
+
+    def __setattr__(self, name: str, value: object) -> None:
+        pass
+
+
+_DISCARD = _Discard()
+
+
+def apply(function: type[torch.autograd.Function], *args: object) -> object:
+    """``function.apply(*args)`` where autograd records and a tensor argument requires a gradient; otherwise
+    ``function.forward`` called directly with a context that keeps nothing. Inference (``torch.no_grad``, or inputs
+    without gradients) then gets the same outputs without an autograd node built and discarded per call.
+
+    Example:
+        >>> y = apply(_NormFunction, x, weight, None, settings)
+    """
+    if torch.is_grad_enabled() and any(isinstance(a, torch.Tensor) and a.requires_grad for a in args):
+        return function.apply(*args)
+    return function.forward(_DISCARD, *args)
 
 
 def fresh(out: torch.Tensor, like: torch.Tensor, inputs: Sequence[torch.Tensor | None]) -> torch.Tensor:

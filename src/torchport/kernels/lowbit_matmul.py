@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..backends.npu import device_chip, operator_limits
-from . import registry
+from . import _autograd, registry
 from .spec import OpSpec, randn
 
 __all__ = ["lowbit_linear"]
@@ -160,7 +160,7 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[-1] > 1 and rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = _LowbitLinear.apply(rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
+    y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
     return y.reshape(*x.shape[:-1], y.shape[-1])
 
 

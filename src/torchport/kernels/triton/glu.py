@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import registry
+from .. import _autograd, registry
 from . import autotune, cdiv, next_power_of_2
 from .launch import Kernel
 
@@ -228,4 +228,4 @@ def glu(gate: torch.Tensor, up: torch.Tensor, gelu: bool, in_place: bool,
         reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(gate, up)
     settings = (gelu, in_place, reference, registry.forced("geglu" if gelu else "swiglu"))
-    return _GluFunction.apply(gate, up, settings)
+    return _autograd.apply(_GluFunction, gate, up, settings)

@@ -37,12 +37,18 @@ from ..checks import capturing
 from .lowbit_decode import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
 from .lowbit_gemm import gemm_kernel
 from .lowbit_gemv import gemv_kernel
+from .launch import Kernel
 
 __all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
 
 _PER_CHANNEL = ("int8", "fp8")
 DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, prefill's
 _GEMV, _GEMV_TILED, _MMA, _ROWS, _DENSE, _GEMM = range(6)  # the kernels a configuration can name (``KERNEL``)
+# The launchers bind each compiled specialisation once (launch.py): Triton's own launch path cost 32-85 us of host
+# time per one-row call on an H100 host, more than the 5-30 us the kernels run (RESULTS.md, issue 24).
+_MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUANTIZE_KERNEL = map(Kernel, (
+    kernels.matmul_kernel, gemm_kernel, gemv_kernel, kernels.gemv4_kernel, kernels.gemv8_kernel,
+    kernels.dequantize_kernel))
 
 
 def supports(fmt: str, group: int, k: int) -> str | None:
@@ -231,7 +237,8 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
     atomic = split > 1
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else x.new_empty((m, n))
     q, scale = _as_bytes(fmt, q, scale)
-    kernels.matmul_kernel[(cdiv(n, block_n), split, m_blocks)](
+    _MATMUL_KERNEL.launch(
+        (cdiv(n, block_n), split, m_blocks),
         x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
         m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
         FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, ATOMIC=atomic,
@@ -261,7 +268,8 @@ def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
     if buffers is None:
         split, k_split = 1, k
         buffers = (y, y)
-    gemm_kernel[(tiles, split)](
+    _GEMM_KERNEL.launch(
+        (tiles, split),
         x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
         *buffers, m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
         FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, SPLIT=split,
@@ -290,7 +298,8 @@ def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], f
         split, w_split = 1, n_words
         buffers = (y, y)
     even = n % block_n == 0 and n_words % w_split == 0 and w_split % block_w == 0
-    gemv_kernel[(m, tiles, split)](
+    _GEMV_KERNEL.launch(
+        (m, tiles, split),
         x, words, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
         *buffers, m, n, k, w_split, x.stride(0), words.stride(0), scale.stride(0), y.stride(0), MAGIC_BITS,
         SIGN_BITS, FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, EVEN=even,
@@ -312,14 +321,16 @@ def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
     y = x.new_empty((1, n))
     grid = (cdiv(n, config["BLOCK_N"]),)
     if fmt in _PER_CHANNEL:
-        kernels.gemv8_kernel[grid](
+        _GEMV8_KERNEL.launch(
+            grid,
             x, q, scale, scale if bias is None else bias, y, n, k, q.stride(0), scale.stride(0),
             FORMAT=FORMAT_IDS[fmt], HAS_BIAS=bias is not None, BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"],
             num_warps=config["num_warps"], num_stages=config["num_stages"],
         )
     else:  # groups are powers of two >= 16 (supports()), so whole int32 words of codes lie inside one group
         words = q.view(torch.int32)
-        kernels.gemv4_kernel[grid](
+        _GEMV4_KERNEL.launch(
+            grid,
             x, words, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
             n, k, words.stride(0), scale.stride(0), FORMAT=FORMAT_IDS[fmt], GROUP=group,
             HAS_BIAS=bias is not None, BLOCK_N=config["BLOCK_N"], BLOCK_K=max(config["BLOCK_K"], group),
@@ -358,7 +369,8 @@ def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> t
     q, scale = _as_bytes(fmt, q, scale)
     block_n = 16
     block_k = 256 if fmt in _PER_CHANNEL else max(group, 128)  # a whole number of groups per program
-    kernels.dequantize_kernel[(cdiv(n, block_n), cdiv(k, block_k))](
+    _DEQUANTIZE_KERNEL.launch(
+        (cdiv(n, block_n), cdiv(k, block_k)),
         q, scale, t.get("offset", scale), t.get("global_scale", scale), w, n, k, q.stride(0), scale.stride(0),
         w.stride(0), FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=4,

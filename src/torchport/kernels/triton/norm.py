@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import registry
+from .. import _autograd, registry
 from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 from .launch import Kernel
 from .norm_chunked import (add_weight_gradients, bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel,
@@ -328,11 +328,11 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, i
              reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight)
     settings = (eps, offset, True, in_place, reference, registry.forced("rms_norm"))
-    return _NormFunction.apply(x, _dense(weight), None, settings)
+    return _autograd.apply(_NormFunction, x, _dense(weight), None, settings)
 
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float,
                reference: Callable[..., torch.Tensor]) -> torch.Tensor:
     _check_dtype(x, weight, bias)
     settings = (eps, 0.0, False, False, reference, registry.forced("layer_norm"))
-    return _NormFunction.apply(x, _dense(weight), _dense(bias), settings)
+    return _autograd.apply(_NormFunction, x, _dense(weight), _dense(bias), settings)

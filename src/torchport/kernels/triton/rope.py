@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .. import registry
+from .. import _autograd, registry
 from . import autotune, cdiv, next_power_of_2
 from .launch import Kernel
 
@@ -191,4 +191,4 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
             raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16, not {t.dtype}")
     if cos.requires_grad or sin.requires_grad:
         raise registry.Unsupported("gradients with respect to cos and sin are computed by the reference only")
-    return _RopeFunction.apply(q, k, _unit_last(cos), _unit_last(sin), (reference, registry.forced("rope")))
+    return _autograd.apply(_RopeFunction, q, k, _unit_last(cos), _unit_last(sin), (reference, registry.forced("rope")))
