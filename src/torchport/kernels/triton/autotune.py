@@ -5,8 +5,8 @@ power of two and a coarse row count), and a function giving the candidate config
 sizes, warps, programs per multiprocessor — with the hand-tuned heuristic first. The first launch in a bucket
 times every candidate on the device (median device time, L2 cleared before each run, launches queued ahead of the
 device so that host time is not counted: ``_do_bench``), keeps the fastest, and writes it to a JSON file in
-``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``), one file per device model, Triton version
-and torchport version. Later launches in the process find it in a dict keyed by the exact sizes
+``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``), one file per device model, Triton version,
+torchport version and timing method. Later launches in the process find it in a dict keyed by the exact sizes
 (``Tunable.lookup``); later processes read it from the file and time nothing.
 
 Where nothing can be timed — Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), a device without events,

@@ -1,4 +1,4 @@
-"""The autotuner's cache files: one JSON file per device model, Triton version and torchport version in
+"""The autotuner's cache files: one JSON file per device model, Triton version, torchport version and timing method in
 ``torchport.settings.cache_dir()``/``autotune``, read leniently (a file that cannot be read or parsed is reported
 once and ignored), written atomically after merging with what is there, and locked (POSIX ``flock``) while a
 process tunes, so the ranks of one job tune a bucket once. :mod:`torchport.kernels.triton.autotune` decides what
@@ -34,6 +34,9 @@ __all__ = ["FORMAT", "cache_directory", "cache_path", "file_lock", "forget_warni
            "write"]
 
 FORMAT = 1  # version of the file layout
+# Version of the timing method, part of the file name: choices timed by an earlier method are not read. 2: launches
+# queued ahead of the device (autotune._do_bench); method 1 counted the host's launch cost into short kernels' times.
+TIMING = 2
 _LOCK_WAIT_S = 120.0  # how long a process waits for another one's tuning before going on unlocked
 
 logger = logging.getLogger("torchport")
@@ -61,14 +64,16 @@ def _describe(device_type: str, index: int) -> tuple[str, str]:
 
 
 def cache_path(device: torch.device) -> str:
-    """The cache file for ``device``: one per device model and capability, Triton version and torchport version.
+    """The cache file for ``device``: one per device model and capability, Triton version, torchport version and
+    timing method.
 
     Example:
         >>> cache_path(torch.device("cuda"))   # doctest: +SKIP
-        '/home/me/.cache/torchport/autotune/NVIDIA-H100-80GB-HBM3-9.0-triton-3.6.0-torchport-0.1.0.json'
+        '/home/me/.cache/torchport/autotune/NVIDIA-H100-80GB-HBM3-9.0-triton-3.6.0-torchport-0.1.0-timing-2.json'
     """
     name, capability = _describe(device.type, device.index or 0)
-    stem = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name} {capability} triton {triton.__version__} torchport {__version__}")
+    stem = re.sub(r"[^A-Za-z0-9.]+", "-", f"{name} {capability} triton {triton.__version__} torchport {__version__} "
+                                          f"timing {TIMING}")
     return os.path.join(cache_directory(), stem.strip("-") + ".json")
 
 
