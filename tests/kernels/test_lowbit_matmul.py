@@ -171,6 +171,28 @@ def test_triton_dequantize_matches_reference(device):
                                    rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])
+def test_triton_dense_route_in_slices_matches_the_whole_weight(with_bias, device, monkeypatch):
+    """A weight whose dense copy passes the dense route's limit is dequantised and multiplied in slices of output
+    features (130 features in slices of 32: four whole slices and a short one) with the same result."""
+    _need_triton(device)
+    from torchport.kernels.triton import lowbit
+
+    monkeypatch.setattr(lowbit, "_DENSE_CHUNK_BYTES", 40 * 256 * 4)  # 40 rows of 256 float32 weights
+    monkeypatch.setattr(lowbit, "_DENSE_CHUNK_ALIGN", 16)  # so 32-feature slices
+    whole = lowbit.dequantize
+    slices = []
+    monkeypatch.setattr(lowbit, "dequantize", lambda t, *args: slices.append(t["qweight"].shape[0]) or whole(t, *args))
+    for fmt in FORMATS:
+        spec, group, t, x, bias, dense = _case(fmt, 20, 130, 256, device, torch.float32)
+        x, b = x.to(device, torch.float32), bias.to(device, torch.float32) if with_bias else None
+        slices.clear()
+        y = lowbit._dense(x, t, fmt, group, b)
+        assert slices == [32, 32, 32, 32, 2]
+        want = torch.nn.functional.linear(x, whole(t, fmt, group, torch.float32), b)
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
+
+
 def test_triton_declines_groups_its_tiles_cannot_take(device):
     from torchport.kernels import registry
 

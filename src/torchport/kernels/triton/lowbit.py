@@ -14,7 +14,9 @@ decode it in registers:
   (``gemm_kernel``, 16-row tiles, K split), the earlier tensor-core kernel, the one-row kernel launched once for
   every row (up to 4 rows; the rows of one weight block share its bytes through L2), and dequantise + dense matmul;
 * more rows (prefill): ``gemm_kernel`` with large tiles, or the weight dequantised into the activation dtype (one
-  pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls).
+  pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls);
+  a weight whose dense copy would pass ``_DENSE_CHUNK_BYTES`` (an LM head) is dequantised and multiplied in slices
+  of output features, each written into its columns of the output, so that the copy never exists whole.
 
 ``gemm_kernel`` is a candidate in two orientations: the activations as the dot's A operand, or (``WEIGHT_A``) the
 decoded weights, which Hopper's tensor cores take from registers (RESULTS.md, issue 24: up to 25% faster at 2048
@@ -44,6 +46,9 @@ __all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
 _PER_CHANNEL = ("int8", "fp8")
 DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, prefill's
 _GEMV, _GEMV_TILED, _MMA, _ROWS, _DENSE, _GEMM = range(6)  # the kernels a configuration can name (``KERNEL``)
+# The dense route's largest dequantised weight in one piece (bytes), and the slice granularity in output features
+_DENSE_CHUNK_BYTES = 128 * 2**20
+_DENSE_CHUNK_ALIGN = 128
 # The launchers bind each compiled specialisation once (launch.py): Triton's own launch path cost 32-85 us of host
 # time per one-row call on an H100 host, more than the 5-30 us the kernels run (RESULTS.md, issue 24).
 _MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUANTIZE_KERNEL = map(Kernel, (
@@ -223,7 +228,7 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
     if kernel == _ROWS and _words_fit(fmt, x.shape[1]):
         return _launch_words(config, x, t, fmt, group, bias)
     if kernel == _DENSE:
-        return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
+        return _dense(x, t, fmt, group, bias)
     if kernel == _GEMM:
         return _launch_gemm(config, x, t, fmt, group, bias)
     m, k = x.shape
@@ -246,6 +251,29 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
     )
     return y.to(x.dtype) if atomic else y
+
+
+def _dense(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> torch.Tensor:
+    """Dequantise + the vendor matmul; past ``_DENSE_CHUNK_BYTES`` of dense weight, slice by slice of output
+    features. On an H100 at 2048 rows the 128256 x 4096 LM head in 16384-feature slices peaked at 629 MiB above its
+    inputs instead of 1503 (the 501 MiB output included), at -2% to +8% of the whole weight's time by format; the
+    other layers of an 8B model stay whole (RESULTS.md, issue 24)."""
+    n, k = t["qweight"].shape[0], x.shape[1]
+    rows = max(1, _DENSE_CHUNK_BYTES // max(1, k * x.element_size()))
+    if n <= rows:
+        return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
+    rows = max(_DENSE_CHUNK_ALIGN, rows // _DENSE_CHUNK_ALIGN * _DENSE_CHUNK_ALIGN)
+    y = x.new_empty((x.shape[0], n))
+    for start in range(0, n, rows):
+        part = {name: v[start:start + rows] if v.dim() and v.shape[0] == n else v for name, v in t.items()}
+        w = dequantize(part, fmt, group, x.dtype)
+        out = y[:, start:start + rows]
+        if bias is None:
+            torch.mm(x, w.t(), out=out)
+        else:
+            torch.addmm(bias[start:start + rows].to(x.dtype), x, w.t(), out=out)
+        del w  # the next slice reuses its memory
+    return y
 
 
 def _split_ranges(split: int, total: int, block: int) -> tuple[int, int]:
