@@ -22,7 +22,7 @@ class _Scale(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, factor):
-        _Scale.contexts.append(type(ctx).__name__)
+        _Scale.contexts.append((type(ctx).__name__, ctx.needs_input_grad[0]))
         ctx.save_for_backward(x)
         ctx.factor = factor
         return x * factor
@@ -43,7 +43,8 @@ def test_apply_records_only_where_a_gradient_can_be_asked_for():
     y = _autograd.apply(_Scale, leaf, 2.0)
     y.sum().backward()
     assert torch.equal(leaf.grad, torch.full((3,), 2.0))
-    assert _Scale.contexts[:2] == ["_Discard", "_Discard"] and _Scale.contexts[2] != "_Discard"
+    assert _Scale.contexts[:2] == [("_Discard", False), ("_Discard", False)]
+    assert _Scale.contexts[2][0] != "_Discard" and _Scale.contexts[2][1]
 
 
 def _ops(device: torch.device) -> dict[str, tuple]:

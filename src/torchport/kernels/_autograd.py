@@ -44,14 +44,28 @@ def autograd_enabled() -> Iterator[None]:
         yield
 
 
-class _Discard:
-    """The ``ctx`` an autograd Function's forward gets from :func:`apply` when no gradient can be asked for: what the
-    forward saves for its backward is dropped."""
+class _NoGradients:
+    """``needs_input_grad`` of :class:`_Discard`: False for every input."""
 
     __slots__ = ()
-    needs_input_grad: tuple[bool, ...] = ()
+
+    def __getitem__(self, index: int) -> bool:
+        return False
+
+
+class _Discard:
+    """The ``ctx`` an autograd Function's forward gets from :func:`apply` when no gradient can be asked for: no
+    input needs a gradient, and whatever the forward saves or marks for its backward is dropped."""
+
+    __slots__ = ()
+    needs_input_grad = _NoGradients()
 
     def save_for_backward(self, *tensors: torch.Tensor | None) -> None:
+        pass
+
+    mark_dirty = mark_non_differentiable = save_for_backward
+
+    def set_materialize_grads(self, value: bool) -> None:
         pass
 
     def __setattr__(self, name: str, value: object) -> None:

@@ -232,47 +232,37 @@ def _do_bench(run: Callable[[], Any], config: Config, device: torch.device) -> f
     backend = get_backend(device.type)
     index = device.index if device.index is not None else backend.current_index()
     clear = torch.empty(_CLEAR_BYTES // 4, dtype=torch.int32, device=device)
-
-    def timed(count: int, lead: int) -> tuple[list[float], float]:
-        """(the device ms of ``count`` runs, the host ms per queued iteration)."""
-        events = [(backend.event(enable_timing=True), backend.event(enable_timing=True)) for _ in range(count)]
-        for _ in range(lead):
-            clear.zero_()
-        began = time.perf_counter()
-        for start, end in events:
-            clear.zero_()
-            start.record()
-            run()
-            end.record()
-        host = (time.perf_counter() - began) * 1e3 / count
-        backend.synchronize(index)
-        return [start.elapsed_time(end) for start, end in events], host
-
     run()
     backend.synchronize(index)
-    estimate, host = timed(5, 0)  # also the warm-up's first part
-    clearing = _timed_clear(backend, index, clear)
+    estimate, host = _event_times(backend, index, run, 5, clear)  # also the warm-up's first part
+    clearing = statistics.median(_event_times(backend, index, clear.zero_, 5)[0])
     per_run = max(statistics.median(estimate), 1e-3)
     count = max(3, min(1000, int(_REP_MS / (per_run + clearing))))
-    warm = max(1, min(1000, int(_WARMUP_MS / (per_run + clearing))))
-    timed(warm, 0)
+    _event_times(backend, index, run, max(1, min(1000, int(_WARMUP_MS / (per_run + clearing)))), clear)
     # the host's expected shortfall over all timed runs, with a margin, paid in advance as clears
     shortfall = count * max(0.0, 1.5 * host - (per_run + clearing))
     lead = min(_LEAD_LIMIT, math.ceil(shortfall / max(clearing, 1e-3)) + 2)
-    times, _ = timed(count, lead)
+    times, _ = _event_times(backend, index, run, count, clear, lead)
     return float(statistics.median(times))
 
 
-def _timed_clear(backend: Any, index: int, clear: torch.Tensor) -> float:
-    """Device ms of one write of ``clear`` (median of five, after one untimed)."""
-    clear.zero_()
-    pairs = [(backend.event(enable_timing=True), backend.event(enable_timing=True)) for _ in range(5)]
-    for start, end in pairs:
-        start.record()
+def _event_times(backend: Any, index: int, run: Callable[[], Any], count: int, clear: torch.Tensor | None = None,
+                 lead: int = 0) -> tuple[list[float], float]:
+    """(the device ms of ``count`` runs, each between its own two events and after a write of ``clear`` when given;
+    the host ms per queued run). ``lead`` writes of ``clear`` are queued first, to keep the device busy."""
+    events = [(backend.event(enable_timing=True), backend.event(enable_timing=True)) for _ in range(count)]
+    for _ in range(lead):
         clear.zero_()
+    began = time.perf_counter()
+    for start, end in events:
+        if clear is not None:
+            clear.zero_()
+        start.record()
+        run()
         end.record()
+    host = (time.perf_counter() - began) * 1e3 / count
     backend.synchronize(index)
-    return statistics.median(start.elapsed_time(end) for start, end in pairs)
+    return [start.elapsed_time(end) for start, end in events], host
 
 
 def _interpreted() -> bool:

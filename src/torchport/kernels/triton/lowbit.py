@@ -259,7 +259,7 @@ def _dense(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch
     inputs instead of 1503 (the 501 MiB output included), at -2% to +8% of the whole weight's time by format; the
     other layers of an 8B model stay whole (RESULTS.md, issue 24)."""
     n, k = t["qweight"].shape[0], x.shape[1]
-    rows = max(1, _DENSE_CHUNK_BYTES // max(1, k * x.element_size()))
+    rows = _DENSE_CHUNK_BYTES // max(1, k * x.element_size())
     if n <= rows:
         return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
     rows = max(_DENSE_CHUNK_ALIGN, rows // _DENSE_CHUNK_ALIGN * _DENSE_CHUNK_ALIGN)
