@@ -88,8 +88,6 @@ def affine(values, scale, offset, BLOCK_N: tl.constexpr, GROUPS: tl.constexpr, H
     return tl.reshape(v, (BLOCK_N, GROUPS * HALF_GROUP))
 
 
-
-
 @triton.jit
 def load(ptr, mask, other, EVEN: tl.constexpr):
     if EVEN:

@@ -10,9 +10,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .lowbit_decode import FP8, INT4, INT8, MXFP4, NVFP4, E2M1_UNIT, E4M3_UNIT, e4m3, half_pair, load, magic, split_sum
+from .lowbit_decode import (FP8, INT4, INT8, MXFP4, NVFP4, E2M1_UNIT, E4M3_UNIT, e4m3, half_pair, load,
+                            magic, split_sum)
 
 __all__ = ["gemv_kernel"]
+
+
+@triton.jit
+def per_word(v, BLOCK_N: tl.constexpr, GT: tl.constexpr, WG: tl.constexpr):
+    """[BLOCK_N, GT] values, one per run of ``WG`` words, as [BLOCK_N, GT * WG]: each repeated over its run."""
+    return tl.reshape(tl.broadcast_to(v[:, :, None], (BLOCK_N, GT, WG)), (BLOCK_N, GT * WG))
 
 
 @triton.jit
@@ -24,16 +31,23 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
     words: four bytes (int8, fp8) or eight nibbles (int4, e2m1), column ``CPW * w + i`` in byte / nibble ``i`` of word
     ``w``. A tile is [BLOCK_N, BLOCK_W] words; ``x`` is read once per tile as ``CPW`` strided vectors, one per code
     position, shared by the tile's rows. int4 and int8 codes are decoded by the 2^23 trick in place: code ``i`` is
-    masked where it lies (within the 23 mantissa bits: the upper half-word is shifted down first), ``(c - 8) * 16^(i % 4)``
-    (int4) or ``c * 256^(i % 2)`` (int8), and ``x`` is pre-scaled by the
-    inverse power of two (exact). Group scales are gathered per word (a word never straddles two groups).
+    masked where it lies (within the 23 mantissa bits: the upper half-word is shifted down first),
+    ``(c - 8) * 16^(i % 4)`` (int4) or ``c * 256^(i % 2)`` (int8), and ``x`` is pre-scaled by the inverse power of
+    two (exact). The tile's words fall into ``GT`` runs of ``WG`` words inside one group (a word
+    never straddles two): a group's scale (and int4's offset) is loaded once per row and run and repeated over the
+    run's words (loaded per word, int4's scales and offsets were 64 of a thread's 88 loads per 16 x 64-word tile).
+    int4's offset joins each word's sum before the scale, with no second accumulator (253 -> 168 registers a thread
+    at one warp over 16 x 64 words, ptxas for sm_90).
 
     ``SPLIT`` > 1: program ``program_id(2)`` walks the ``W_SPLIT`` words from ``program_id(2) * W_SPLIT`` only, and
     the partial sums meet in :func:`split_sum` (the layers with few output features per multiprocessor).
     ``PREFETCH``: the next tile's words are loaded before the current tile is decoded, so that two tiles of loads
     are in flight per program (Triton does not pipeline loads that feed no dot)."""
-    CPW: tl.constexpr = 4 if FORMAT == INT8 or FORMAT == FP8 else 8
-    WPG: tl.constexpr = GROUP // CPW
+    PER_CHANNEL: tl.constexpr = FORMAT == INT8 or FORMAT == FP8
+    CPW: tl.constexpr = 4 if PER_CHANNEL else 8
+    WPG: tl.constexpr = BLOCK_W if PER_CHANNEL else GROUP // CPW  # words per group
+    WG: tl.constexpr = BLOCK_W if BLOCK_W < WPG else WPG
+    GT: tl.constexpr = BLOCK_W // WG
     row = tl.program_id(0)
     pid_k = tl.program_id(2)
     rn = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -43,7 +57,6 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
     x_row = x_ptr + row * stride_xm
     q_rows = q_ptr + rn[:, None] * stride_qn
     acc = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
-    acc_o = tl.zeros((BLOCK_N, BLOCK_W), dtype=tl.float32)
     if PREFETCH:
         w_next = tl.load(q_rows + (w_begin + tl.arange(0, BLOCK_W))[None, :],
                          mask=mask_n[:, None] & (w_begin + tl.arange(0, BLOCK_W) < w_end)[None, :], other=0)
@@ -96,22 +109,23 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
                 a3, a7 = half_pair(w, 0, sign_bits, 3, 0x0E000E00)
                 p = a0 * x0[None, :] + a1 * x1[None, :] + a2 * x2[None, :] + a3 * x3[None, :]
                 p += a4 * x4[None, :] + a5 * x5[None, :] + a6 * x6[None, :] + a7 * x7[None, :]
-            s_off = rn[:, None] * stride_sn + (wi // WPG)[None, :]
+            first = w0 + tl.arange(0, GT) * WG  # each run's first word: its group's scale
+            s_off = rn[:, None] * stride_sn + (first // WPG)[None, :]
+            s_mask = mask_n[:, None] & (first < w_end)[None, :]
             if FORMAT == INT4:
-                s = load(s_ptr + s_off, mask, 0.0, EVEN).to(tl.float32)
-                o = load(o_ptr + s_off, mask, 0.0, EVEN).to(tl.float32)
-                acc += p * s
-                acc_o += (o * s) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+                s = load(s_ptr + s_off, s_mask, 0.0, EVEN).to(tl.float32)
+                o = load(o_ptr + s_off, s_mask, 0.0, EVEN).to(tl.float32)
+                # (codes - 8 + offset) * scale: the offset once per word, times the sum of the word's activations
+                p += per_word(o, BLOCK_N, GT, WG) * (x0 + x1 + x2 + x3 + x4 + x5 + x6 + x7)[None, :]
+                acc += p * per_word(s, BLOCK_N, GT, WG)
             else:
-                raw = load(s_ptr + s_off, mask, 0, EVEN).to(tl.int32) & 255
+                raw = load(s_ptr + s_off, s_mask, 0, EVEN).to(tl.int32) & 255
                 if FORMAT == MXFP4:
                     s = (raw << 23).to(tl.float32, bitcast=True)
                 else:
                     s = e4m3(raw)
-                acc += p * s
+                acc += p * per_word(s, BLOCK_N, GT, WG)
     total = tl.sum(acc, axis=1)
-    if FORMAT == INT4:
-        total += tl.sum(acc_o, axis=1)
     if FORMAT == INT8 or FORMAT == FP8:
         scale = tl.load(s_ptr + rn * stride_sn, mask=mask_n, other=0.0).to(tl.float32)
         if FORMAT == FP8:
