@@ -75,7 +75,7 @@ def eager_ms(fn) -> float:
 
 
 def run(rows_list: list[int], prefill_rows: int | None) -> list[dict]:
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit, lowbit_tuning
     from torchport.quant.formats import get_format
 
     torch.manual_seed(0)
@@ -107,7 +107,7 @@ def run(rows_list: list[int], prefill_rows: int | None) -> list[dict]:
                 ref = torch.nn.functional.linear(x.float(), lowbit.dequantize(t, name, group, torch.float32))
                 got = lowbit.matmul(x, t, name, group, None).float()
                 row[f"{name}_rel_error"] = float((got - ref).norm() / ref.norm())
-                tuned = lowbit._TUNED_GEMV if m == 1 else lowbit._TUNED_PREFILL if prefill else lowbit._TUNED
+                tuned = lowbit_tuning.TUNED_GEMV if m == 1 else lowbit_tuning.TUNED_PREFILL if prefill else lowbit_tuning.TUNED
                 config = tuned[name].lookup(x.device, x.dtype, *((n, k, group) if m == 1 else (m, n, k, group)))
                 row[f"{name}_config"] = config
                 if prefill:

@@ -94,21 +94,21 @@ def test_triton_decode_kernels_every_launch_configuration(fmt, device):
     """The one-row kernels, the 2-16-row choices and prefill's under each autotuning candidate (the tuner would time
     them on a GPU), on feature counts that fill no block evenly."""
     _need_triton(device)
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit, lowbit_tuning
 
     # (3 rows: bucket 4, where all the decode kernels compete; 19 rows: prefill's)
     for rows, n, k in ((1, 20, 512), (3, 20, 512), (1, 16, 1024), (19, 20, 256)):
         spec, group, t, x64, bias64, dense = _case(fmt, rows, n, k, device, torch.float32)
         x, bias = x64.to(device, torch.float32), bias64.to(device, torch.float32)
         if rows == 1:
-            configs, launch = lowbit._gemv_candidates(fmt, n, k, group), lowbit._launch_gemv
-            expected = {lowbit._GEMV, lowbit._GEMV_TILED}
-        elif rows <= lowbit.DECODE_ROWS:
-            configs, launch = lowbit._candidates(fmt, rows, n, k, group), lowbit._launch
-            expected = {lowbit._GEMM, lowbit._MMA, lowbit._ROWS, lowbit._DENSE}
+            configs, launch = lowbit_tuning.gemv_candidates(fmt, n, k, group), lowbit._launch_gemv
+            expected = {lowbit_tuning.GEMV, lowbit_tuning.GEMV_TILED}
+        elif rows <= lowbit_tuning.DECODE_ROWS:
+            configs, launch = lowbit_tuning.candidates(fmt, rows, n, k, group), lowbit._launch
+            expected = {lowbit_tuning.GEMM, lowbit_tuning.MMA, lowbit_tuning.ROWS, lowbit_tuning.DENSE}
         else:
-            configs, launch = lowbit._prefill_candidates(fmt, rows, n, k, group), lowbit._launch
-            expected = {lowbit._GEMM, lowbit._DENSE}
+            configs, launch = lowbit_tuning.prefill_candidates(fmt, rows, n, k, group), lowbit._launch
+            expected = {lowbit_tuning.GEMM, lowbit_tuning.DENSE}
         kernels = {config.get("KERNEL") for config in configs}
         assert kernels == expected, kernels
         for config in configs:
@@ -122,18 +122,18 @@ def test_triton_split_k_sums_every_partial(fmt, device):
     of the split), output features that fill no block, several rows, and calls repeated on the same workspace (the
     tile counters must be back at zero after each launch)."""
     _need_triton(device)
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit, lowbit_tuning
 
     for rows, n, k in ((1, 21, 640), (3, 13, 384)):
         spec, group, t, x64, bias64, dense = _case(fmt, rows, n, k, device, torch.float32)
         x, bias = x64.to(device, torch.float32), bias64.to(device, torch.float32)
         expected = x64 @ dense.T + bias64
-        configs = [{"KERNEL": lowbit._GEMV, "BLOCK_N": 8, "BLOCK_W": 32, "num_warps": 4, "SPLIT": split,
+        configs = [{"KERNEL": lowbit_tuning.GEMV, "BLOCK_N": 8, "BLOCK_W": 32, "num_warps": 4, "SPLIT": split,
                     "PREFETCH": prefetch} for split, prefetch in ((3, 0), (4, 1), (8, 0))]
-        configs += [{"KERNEL": lowbit._GEMM, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}]
+        configs += [{"KERNEL": lowbit_tuning.GEMM, "BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 64, "num_warps": 4}]
         for config in configs:
             for _ in range(2):
-                y = lowbit._launch_words(config, x, t, fmt, group, bias) if config["KERNEL"] == lowbit._GEMV else \
+                y = lowbit._launch_words(config, x, t, fmt, group, bias) if config["KERNEL"] == lowbit_tuning.GEMV else \
                     lowbit._launch_gemm(config, x, t, fmt, group, bias)
                 check_close(f"{fmt} {config}", y, expected, torch.float32)
     for _, counters in lowbit._WORKSPACES.values():
@@ -145,11 +145,11 @@ def test_triton_split_k_replays_in_a_cuda_graph(device):
     counters are reset by the kernel itself, with no fill kernel in the graph."""
     if device.type != "cuda":
         pytest.skip("CUDA graphs need a CUDA device")
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit, lowbit_tuning
 
     spec, group, t, x64, _, dense = _case("int4", 1, 1024, 4096, device, torch.bfloat16)
     x = x64.to(device, torch.bfloat16)
-    config = {"KERNEL": lowbit._GEMV, "BLOCK_N": 4, "BLOCK_W": 64, "num_warps": 4, "SPLIT": 4, "PREFETCH": 1}
+    config = {"KERNEL": lowbit_tuning.GEMV, "BLOCK_N": 4, "BLOCK_W": 64, "num_warps": 4, "SPLIT": 4, "PREFETCH": 1}
     lowbit._launch_words(config, x, t, "int4", group, None)  # compiles, makes the workspace
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):

@@ -23,29 +23,27 @@ decoded weights, which Hopper's tensor cores take from registers (RESULTS.md, is
 rows, a few % at 16 rows on some layers).
 
 Launch configurations are autotuned per shape bucket (:mod:`.autotune`, which times each candidate with L2 cleared:
-a decode step reads every weight once, from DRAM); ``KERNEL`` in a configuration names the kernel (``_GEMV``,
-``_GEMV_TILED``, ``_MMA``, ``_ROWS``, ``_DENSE``, ``_GEMM``).
+a decode step reads every weight once, from DRAM); the candidates and buckets are in :mod:`.lowbit_tuning`, where
+``KERNEL`` in a configuration names the kernel (``GEMV``, ``GEMV_TILED``, ``MMA``, ``ROWS``, ``DENSE``, ``GEMM``).
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
 
-from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count, next_power_of_2
+from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count
 from ..checks import capturing
 from .lowbit_decode import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
 from .lowbit_gemm import gemm_kernel
 from .lowbit_gemv import gemv_kernel
+from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, MMA, PER_CHANNEL, ROWS, TUNED, TUNED_GEMV,
+                            TUNED_PREFILL, tiled_candidates, words_fit)
 from .launch import Kernel
 
 __all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
 
-_PER_CHANNEL = ("int8", "fp8")
-DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, prefill's
-_GEMV, _GEMV_TILED, _MMA, _ROWS, _DENSE, _GEMM = range(6)  # the kernels a configuration can name (``KERNEL``)
 # The dense route's largest dequantised weight in one piece (bytes), and the slice granularity in output features
 _DENSE_CHUNK_BYTES = 128 * 2**20
 _DENSE_CHUNK_ALIGN = 128
@@ -58,128 +56,11 @@ _MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUA
 
 def supports(fmt: str, group: int, k: int) -> str | None:
     """Why the kernels cannot take this layout (None when they can): Triton tiles are powers of two."""
-    if fmt in _PER_CHANNEL:
+    if fmt in PER_CHANNEL:
         return None
     if group & (group - 1) or group < (32 if fmt == "int4" else 16):
         return f"the Triton kernels need a power-of-two group of at least 32 for {fmt}; this layer has {group}"
     return None
-
-
-def _bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
-    return next_power_of_2(m), next_power_of_2(n), next_power_of_2(k), group
-
-
-def _candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Config]:
-    """2-16 rows: the decode-in-prologue GEMM (output-feature block, K block, warps, stages; the K split is derived
-    at launch so that (n-blocks x splits) gives every multiprocessor about four programs) with the heuristic first,
-    the earlier tensor-core kernel, the one-row kernel once per row (up to 4 rows: measured slower than the tensor
-    cores from 8 rows on, RESULTS.md), and dequantise + dense matmul."""
-    configs = []
-    for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
-                                            (64, 256, 8, 3)):
-        configs.append({"KERNEL": _GEMM, "BLOCK_M": 16, "BLOCK_N": block_n, "BLOCK_K": _gemm_block_k(fmt, block_k, k),
-                        "num_warps": warps, "num_stages": stages})
-    for block_n, block_k, warps, stages in ((64, 128, 4, 3), (64, 256, 4, 3), (128, 128, 4, 3)):
-        configs.append({"KERNEL": _GEMM, "WEIGHT_A": True, "BLOCK_M": 16, "BLOCK_N": block_n,
-                        "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps, "num_stages": stages})
-    configs.append({"KERNEL": _MMA, "BLOCK_N": 32, "BLOCK_K": _block_k(fmt, 256, k, group), "num_warps": 4})
-    if _words_fit(fmt, k) and m <= 4:
-        for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4), (4, 128, 4)):
-            configs.append({"KERNEL": _ROWS, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps})
-    configs.append({"KERNEL": _DENSE})
-    return autotune.distinct(configs)
-
-
-def _prefill_bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
-    return autotune.coarse(m, 32, 8192), next_power_of_2(n), next_power_of_2(k), group
-
-
-def _prefill_candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Config]:
-    """More than 16 rows: dequantise + the vendor matmul first (the baseline), then the decode-in-prologue GEMM's
-    tiles (rows, output features, K block, warps, stages; row tiles grouped by 8 for L2 reuse)."""
-    configs: list[autotune.Config] = [{"KERNEL": _DENSE}]
-    for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (128, 128, 64, 4, 4), (64, 128, 64, 4, 4),
-                                                     (128, 256, 64, 8, 3), (128, 128, 128, 8, 3)):
-        configs.append({"KERNEL": _GEMM, "BLOCK_M": min(block_m, max(16, next_power_of_2(m))), "BLOCK_N": block_n,
-                        "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps, "num_stages": stages})
-    # the weights as the dot's A operand (``WEIGHT_A``): output-feature tiles of 64 or more (wgmma's A rows)
-    for block_m, block_n, block_k, warps, stages in ((128, 128, 64, 8, 3), (64, 128, 64, 4, 4), (128, 256, 64, 8, 3),
-                                                     (128, 128, 128, 8, 3), (256, 128, 64, 8, 3)):
-        configs.append({"KERNEL": _GEMM, "WEIGHT_A": True, "BLOCK_M": min(block_m, max(16, next_power_of_2(m))),
-                        "BLOCK_N": block_n, "BLOCK_K": _gemm_block_k(fmt, block_k, k), "num_warps": warps,
-                        "num_stages": stages})
-    return autotune.distinct(configs)
-
-
-def _gemm_block_k(fmt: str, block_k: int, k: int) -> int:
-    """``gemm_kernel``'s K block: a power of two of at least 32 (every 4-bit group divides it or is divided by it)."""
-    return min(block_k, max(32, next_power_of_2(k)))
-
-
-def _gemv_bucket(n: int, k: int, group: int) -> tuple[int, int, int]:
-    return next_power_of_2(n), next_power_of_2(k), group
-
-
-def _block_k(fmt: str, block_k: int, k: int, group: int) -> int:
-    """A K block for ``k`` columns: int4 needs one group per block (BLOCK_K divides the group); the fp4 blocks
-    (16, 32) divide any BLOCK_K >= 32; per-channel formats take any."""
-    block_k = min(block_k, max(32, next_power_of_2(k)))
-    return min(block_k, group) if fmt == "int4" else block_k
-
-
-def _words_fit(fmt: str, k: int) -> bool:
-    """Whether rows of ``k`` codes are whole int32 words (what ``gemv_kernel`` reads); 4-bit groups always are."""
-    return fmt not in _PER_CHANNEL or k % 4 == 0
-
-
-def _gemv_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
-    """One row: ``gemv_kernel``'s output features and words per tile, warps, K split and prefetch (the heuristic
-    first: small blocks of features where they are few, so that every multiprocessor has programs), then the tiled
-    kernel's. Split K where the output features give fewer than ~4 programs per multiprocessor (k/v and q/o
-    projections: 128-512 programs for 132 SMs) and along long rows (the down projection).
-
-    Programs of one or two warps with 16-64 rows: a thread then holds one word column for many rows and loads that
-    column's activations once for all of them. With 4 warps over 128 words the activation gathers (eight strided
-    loads per word column, one per code position) kept L1 at 75% of its throughput while DRAM ran at 35% (ncu, int4
-    lm_head); one warp over 32 rows x 32 words ran that layer 1.38x faster (RESULTS.md, issue 24)."""
-    configs = []
-    if _words_fit(fmt, k):
-        if n <= 2048:
-            shapes = ((4, 256, 4, 1, 0), (4, 128, 4, 4, 0), (4, 128, 4, 2, 1), (2, 128, 4, 4, 0), (8, 64, 4, 8, 0),
-                      (4, 64, 2, 8, 0), (8, 128, 4, 4, 1), (8, 128, 4, 1, 0), (16, 64, 1, 4, 0), (8, 64, 1, 8, 0),
-                      (16, 32, 1, 8, 0), (8, 128, 2, 4, 0))
-        else:
-            shapes = ((8, 128, 4, 1, 0), (8, 128, 4, 1, 1), (8, 128, 4, 2, 0), (8, 128, 4, 4, 0), (4, 128, 4, 2, 1),
-                      (16, 128, 4, 1, 1), (16, 64, 4, 2, 1), (4, 256, 4, 1, 0), (8, 256, 8, 1, 1),
-                      (16, 128, 2, 1, 0), (16, 128, 2, 1, 1), (32, 128, 4, 1, 0), (32, 64, 2, 1, 0), (16, 64, 1, 1, 0),
-                      (32, 32, 1, 1, 0), (8, 128, 1, 1, 0), (64, 32, 1, 1, 0), (32, 32, 1, 4, 0), (16, 64, 1, 4, 0))
-        words = max(1, k // (4 if fmt in _PER_CHANNEL else 8))
-        for block_n, block_w, warps, split, prefetch in shapes:
-            block_w = min(block_w, next_power_of_2(words))
-            split = min(split, max(1, words // block_w))
-            configs.append({"KERNEL": _GEMV, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps,
-                            "SPLIT": split, "PREFETCH": prefetch})
-    return autotune.distinct(configs + _tiled_candidates(fmt, n, k, group))
-
-
-def _tiled_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
-    """``gemv4_kernel``/``gemv8_kernel``: rows per program, K block, warps and pipeline stages. Few rows (k/v
-    projections) take long K blocks so that enough bytes are in flight."""
-    if n <= 2048:
-        shapes = ((2, 2048, 4, 3), (4, 2048, 8, 3), (1, 2048, 4, 3), (2, 4096, 8, 3), (4, 1024, 4, 3), (2, 2048, 4, 4))
-    else:
-        shapes = ((4, 1024, 4, 3), (2, 2048, 4, 3), (4, 2048, 8, 3), (2, 1024, 2, 3), (4, 1024, 4, 4), (8, 1024, 8, 3))
-    return [{"KERNEL": _GEMV_TILED, "BLOCK_N": block_n, "BLOCK_K": min(block_k, max(32, next_power_of_2(k))),
-             "num_warps": warps, "num_stages": stages} for block_n, block_k, warps, stages in shapes]
-
-
-_TUNED = {fmt: autotune.Tunable(f"lowbit_matmul.{fmt}", ("m", "n", "k", "group"), _bucket,
-                                functools.partial(_candidates, fmt)) for fmt in FORMAT_IDS}
-_TUNED_GEMV = {fmt: autotune.Tunable(f"lowbit_gemv.{fmt}", ("n", "k", "group"), _gemv_bucket,
-                                     functools.partial(_gemv_candidates, fmt)) for fmt in FORMAT_IDS}
-_TUNED_PREFILL = {fmt: autotune.Tunable(f"lowbit_prefill.{fmt}", ("m", "n", "k", "group"), _prefill_bucket,
-                                        functools.partial(_prefill_candidates, fmt)) for fmt in FORMAT_IDS}
-
 
 def _split_k(block_n: int, block_k: int, m_blocks: int, n: int, k: int, device: torch.device) -> int:
     programs = m_blocks * cdiv(n, block_n)
@@ -219,17 +100,17 @@ def _as_bytes(fmt: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Ten
 
 
 def _kernel_group(fmt: str, group: int) -> int:
-    return 1 if fmt in _PER_CHANNEL else group  # per-channel formats: one constant, not one compile per width
+    return 1 if fmt in PER_CHANNEL else group  # per-channel formats: one constant, not one compile per width
 
 
 def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
             bias: torch.Tensor | None) -> torch.Tensor:
-    kernel = config.get("KERNEL", _MMA)
-    if kernel == _ROWS and _words_fit(fmt, x.shape[1]):
+    kernel = config.get("KERNEL", MMA)
+    if kernel == ROWS and words_fit(fmt, x.shape[1]):
         return _launch_words(config, x, t, fmt, group, bias)
-    if kernel == _DENSE:
+    if kernel == DENSE:
         return _dense(x, t, fmt, group, bias)
-    if kernel == _GEMM:
+    if kernel == GEMM:
         return _launch_gemm(config, x, t, fmt, group, bias)
     m, k = x.shape
     q, scale = t["qweight"], t["scale"]
@@ -339,16 +220,16 @@ def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], f
 
 def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
-    if config.get("KERNEL", _GEMV_TILED) == _GEMV:
-        if _words_fit(fmt, x.shape[1]):
+    if config.get("KERNEL", GEMV_TILED) == GEMV:
+        if words_fit(fmt, x.shape[1]):
             return _launch_words(config, x, t, fmt, group, bias)
-        config = _tiled_candidates(fmt, t["qweight"].shape[0], x.shape[1], group)[0]
+        config = tiled_candidates(fmt, t["qweight"].shape[0], x.shape[1], group)[0]
     k = x.shape[1]
     q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
     n = q.shape[0]
     y = x.new_empty((1, n))
     grid = (cdiv(n, config["BLOCK_N"]),)
-    if fmt in _PER_CHANNEL:
+    if fmt in PER_CHANNEL:
         _GEMV8_KERNEL.launch(
             grid,
             x, q, scale, scale if bias is None else bias, y, n, k, q.stride(0), scale.stride(0),
@@ -377,11 +258,11 @@ def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch
     m, k = x.shape
     n = t["qweight"].shape[0]
     if m == 1:
-        tunable, sizes, launch = _TUNED_GEMV[fmt], (n, k, group), _launch_gemv
+        tunable, sizes, launch = TUNED_GEMV[fmt], (n, k, group), _launch_gemv
     elif m <= DECODE_ROWS:
-        tunable, sizes, launch = _TUNED[fmt], (m, n, k, group), _launch
+        tunable, sizes, launch = TUNED[fmt], (m, n, k, group), _launch
     else:
-        tunable, sizes, launch = _TUNED_PREFILL[fmt], (m, n, k, group), _launch
+        tunable, sizes, launch = TUNED_PREFILL[fmt], (m, n, k, group), _launch
     config = tunable.lookup(x.device, x.dtype, *sizes)
     if config is None:
         config = tunable.tune(x.device, x.dtype, sizes, lambda c: launch(c, x, t, fmt, group, bias))
@@ -392,11 +273,11 @@ def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> t
     """The dense ``(out_features, in_features)`` weight in ``dtype``, in one pass over the codes."""
     q, scale = t["qweight"], t["scale"]
     n = q.shape[0]
-    k = q.shape[1] * (1 if fmt in _PER_CHANNEL else 2)
+    k = q.shape[1] * (1 if fmt in PER_CHANNEL else 2)
     w = torch.empty((n, k), dtype=dtype, device=q.device)
     q, scale = _as_bytes(fmt, q, scale)
     block_n = 16
-    block_k = 256 if fmt in _PER_CHANNEL else max(group, 128)  # a whole number of groups per program
+    block_k = 256 if fmt in PER_CHANNEL else max(group, 128)  # a whole number of groups per program
     _DEQUANTIZE_KERNEL.launch(
         (cdiv(n, block_n), cdiv(k, block_k)),
         q, scale, t.get("offset", scale), t.get("global_scale", scale), w, n, k, q.stride(0), scale.stride(0),
