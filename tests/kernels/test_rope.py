@@ -10,8 +10,9 @@ from kernel_cases import call, check_close, gradients, leaf, on_chip
 
 # (batch, q heads, kv heads, seq, head_dim). The Triton kernel splits the heads over programs when there are few
 # runs of positions: one head each for the short ones; 2x128 positions split 7 heads in two programs whose second
-# holds the last q head and both k heads; 600 positions are not split.
-SHAPES = [(1, 1, 1, 1, 2), (2, 3, 1, 5, 6), (2, 5, 2, 7, 128), (1, 4, 4, 3, 80), (2, 5, 2, 128, 16), (1, 2, 1, 600, 8)]
+# holds the last q head and both k heads; 600 positions are not split. No q heads, or no k heads: the split runs over
+# the other tensor's heads alone.
+SHAPES = [(1, 0, 2, 3, 8), (2, 3, 0, 5, 6), (1, 1, 1, 1, 2), (2, 3, 1, 5, 6), (2, 5, 2, 7, 128), (1, 4, 4, 3, 80), (2, 5, 2, 128, 16), (1, 2, 1, 600, 8)]
 
 
 def _cos_sin(batch, seq, dim, gen):
