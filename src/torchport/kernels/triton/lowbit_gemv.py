@@ -33,11 +33,11 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
     position, shared by the tile's rows. int4 and int8 codes are decoded by the 2^23 trick in place: code ``i`` is
     masked where it lies (within the 23 mantissa bits: the upper half-word is shifted down first),
     ``(c - 8) * 16^(i % 4)`` (int4) or ``c * 256^(i % 2)`` (int8), and ``x`` is pre-scaled by the inverse power of
-    two (exact). The tile's words fall into ``GT`` runs of ``WG`` words inside one group (a word
-    never straddles two): a group's scale (and int4's offset) is loaded once per row and run and repeated over the
-    run's words (loaded per word, int4's scales and offsets were 64 of a thread's 88 loads per 16 x 64-word tile).
-    int4's offset joins each word's sum before the scale, with no second accumulator (253 -> 168 registers a thread
-    at one warp over 16 x 64 words, ptxas for sm_90).
+    two (exact). The tile's words fall into ``GT`` runs of ``WG`` words inside one group (a word never straddles
+    two): a group's scale (and int4's offset) is loaded once per row and run and repeated over the run's words, and
+    int4's offset joins each word's sum before the scale, with no second accumulator. Loaded per word, int4's scales
+    and offsets were 64 of a thread's 88 loads per tile at one warp over 16 x 64 words; now it has 28 loads, and 168
+    registers instead of 246 (PTX and ptxas for sm_90; RESULTS.md, issue 24).
 
     ``SPLIT`` > 1: program ``program_id(2)`` walks the ``W_SPLIT`` words from ``program_id(2) * W_SPLIT`` only, and
     the partial sums meet in :func:`split_sum` (the layers with few output features per multiprocessor).
