@@ -19,7 +19,8 @@ embedding stays bf16. For each contender:
 RMSNorm, RoPE and SwiGLU run as torchport's fused kernels for every contender (``--plain-ops``: plain PyTorch, whose
 ~20 small kernels per layer cost about 2.5 ms of an H100's 8 ms bf16 step and hide the linear layers' speed-up).
 
-Contenders: ``bf16``; ``torchport-{int8,fp8,int4,mxfp4,nvfp4}`` (``torchport.quantize``); ``torchao-{int8,fp8,int4,
+Contenders: ``bf16``; ``torchport-{int8,fp8,int4,mxfp4,nvfp4}`` (``torchport.quantize``: q/k/v and gate/up merged,
+one kernel each at batch-1 decode; ``--separate`` adds ``torchport-<format>-separate`` with ``merge=False``); ``torchao-{int8,fp8,int4,
 nvfp4}`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``,
 ``Int4WeightOnlyConfig`` in tinygemm's ``tile_packed_to_4d`` layout, which needs only torch, and
 ``NVFP4WeightOnlyConfig``; torchao 0.18 has no weight-only MXFP4). Targets: int4/fp4 weight memory <= 30% of bf16,
@@ -252,11 +253,12 @@ def _allocated(device: torch.device) -> int:
 
 def make(base: Llama, contender: str) -> Llama:
     library, _, fmt = contender.partition("-")
+    fmt, _, variant = fmt.partition("-")
     model = copy.deepcopy(base)
     if library == "torchport":
         from torchport.quant import quantize
 
-        quantize(model, fmt)
+        quantize(model, fmt, merge=variant != "separate")
     elif library == "torchao":
         from torchao.quantization import (Float8WeightOnlyConfig, Int4WeightOnlyConfig, Int8WeightOnlyConfig,
                                           quantize_)
@@ -278,6 +280,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     device = torch.device(args.device) if args.device else torchport.device()
     shape = SHAPES["small" if args.small else "8b"]
     contenders = ["bf16", *(f"torchport-{f}" for f in args.formats)]
+    if args.separate:
+        contenders += [f"torchport-{f}-separate" for f in args.formats]
     if not args.no_torchao:
         contenders += [f"torchao-{f}" for f in args.torchao_formats if f in args.formats]
     gc.collect()
@@ -327,15 +331,15 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = (f"{'contender':<18}{'decode tok/s':>13}{'x bf16':>8}{'prefill tok/s':>15}{'x bf16':>8}"
+    head = (f"{'contender':<26}{'decode tok/s':>13}{'x bf16':>8}{'prefill tok/s':>15}{'x bf16':>8}"
             f"{'weights GiB':>12}{'x bf16':>8}{'linears x':>10}{'rel err':>10}{'KL':>10}{'cached x':>9}{'+GiB':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['contender']:<18}error: {r['error']}")
+            lines.append(f"{r['contender']:<26}error: {r['error']}")
             continue
         lines.append(
-            f"{r['contender']:<18}{r['decode_tok_s']:>13.1f}{r.get('decode_vs_bf16', math.nan):>8.2f}"
+            f"{r['contender']:<26}{r['decode_tok_s']:>13.1f}{r.get('decode_vs_bf16', math.nan):>8.2f}"
             f"{r['prefill_tok_s']:>15.0f}{r.get('prefill_vs_bf16', math.nan):>8.2f}"
             f"{r['weight_bytes'] / 2**30:>12.2f}{r.get('weight_vs_bf16', math.nan):>8.3f}"
             f"{r.get('linear_vs_bf16', math.nan):>10.3f}{r['logits_rel_error']:>10.4f}{r['kl_divergence']:>10.2e}"
@@ -347,13 +351,13 @@ def table(rows: list[dict[str, Any]]) -> str:
 def profile_table(rows: list[dict[str, Any]]) -> str:
     """Wall-clock against summed kernel time (``--profile``): a prefill or step whose wall time is far above its GPU
     time waits on the host, not on its kernels."""
-    head = f"{'contender':<18}{'prefill ms':>11}{'GPU ms':>9}{'step ms':>9}{'GPU ms':>9}  top prefill / decode kernel"
+    head = f"{'contender':<26}{'prefill ms':>11}{'GPU ms':>9}{'step ms':>9}{'GPU ms':>9}  top prefill / decode kernel"
     lines = [head, "-" * len(head)]
     for r in rows:
         if "prefill_gpu_ms" not in r:
             continue
         lines.append(
-            f"{r['contender']:<18}{statistics.median(r['prefill_runs_ms']):>11.1f}{r['prefill_gpu_ms']:>9.1f}"
+            f"{r['contender']:<26}{statistics.median(r['prefill_runs_ms']):>11.1f}{r['prefill_gpu_ms']:>9.1f}"
             f"{1e3 / r['decode_tok_s']:>9.2f}{r['decode_gpu_ms']:>9.2f}  {r['prefill_kernels'][0]['kernel'][:30]} / "
             f"{r['decode_kernels'][0]['kernel'][:30]}")
     return "\n".join(lines)
@@ -365,6 +369,9 @@ def main() -> None:
     parser.add_argument("--small", action="store_true", help="a tiny model, for a smoke run")
     parser.add_argument("--formats", nargs="+", default=list(TORCHPORT_FORMATS), choices=TORCHPORT_FORMATS)
     parser.add_argument("--no-torchao", action="store_true", help="leave torchao out")
+    parser.add_argument("--separate", action="store_true",
+                        help="also each torchport format with q/k/v and gate/up quantised one by one (merge=False): "
+                             "contenders torchport-<format>-separate")
     parser.add_argument("--torchao-formats", nargs="+", default=list(TORCHAO_FORMATS), choices=TORCHAO_FORMATS)
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--prefill-tokens", type=int, default=2048)

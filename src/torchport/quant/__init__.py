@@ -22,7 +22,7 @@ import fnmatch
 import json
 import logging
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Union
 
 import torch
@@ -31,9 +31,11 @@ from torch import nn
 from .._bytes import weight_bytes
 from .formats import FORMATS, Format, QuantizationError, get_format, list_formats
 from .linear import QuantizedLinear
+from .merge import SIBLINGS, merge_layers, merge_siblings, merged_groups, quantize_together, sibling_problem, sibling_sets
 
-__all__ = ["FORMATS", "Format", "QuantizationError", "QuantizedLinear", "default_format", "dequantize",
-           "get_format", "list_formats", "load", "quantize", "quantized_modules", "save", "weight_bytes"]
+__all__ = ["FORMATS", "Format", "QuantizationError", "QuantizedLinear", "SIBLINGS", "default_format", "dequantize",
+           "get_format", "list_formats", "load", "merge_siblings", "merged_groups", "quantize", "quantized_modules",
+           "save", "weight_bytes"]
 
 logger = logging.getLogger("torchport")
 
@@ -118,7 +120,8 @@ def _check_device(fmt: str, device: torch.device, dtype: torch.dtype) -> None:
                                 f"this device: {', '.join(working) or 'none checked yet'}")
 
 
-def quantize(model: nn.Module, format: str, *, group_size: int | None = None, modules: Selector = None) -> nn.Module:
+def quantize(model: nn.Module, format: str, *, group_size: int | None = None, modules: Selector = None,
+             merge: bool | Iterable[Sequence[str]] = True) -> nn.Module:
     """Replace ``model``'s ``nn.Linear`` layers (all, or those ``modules`` selects) by :class:`QuantizedLinear`
     layers holding their weights in ``format``; returns ``model``, changed in place (a bare ``nn.Linear`` is
     returned as a new :class:`QuantizedLinear`).
@@ -133,6 +136,12 @@ def quantize(model: nn.Module, format: str, *, group_size: int | None = None, mo
         modules: None (every ``nn.Linear``), a name or glob pattern or a list of them (``"*.mlp.*"``), or a
             function ``(name, module) -> bool``. Layers whose weight is tied to another module (an output layer
             sharing the embedding) are left as they are, with a warning.
+        merge: sibling layers that read the same input are quantised as one weight (their codes row slices of it,
+            so memory is unchanged) and run as one kernel at batch-1 decode (:mod:`torchport.quant.merge`).
+            True: the child-name sets of :data:`SIBLINGS` (``q_proj``/``k_proj``/``v_proj``,
+            ``gate_proj``/``up_proj``, ...); a list of tuples of child names; False: every layer on its own. A set
+            whose layers differ in input features, dtype, device or bias stays unmerged (logged). nvfp4 layers
+            merged share one global scale.
 
     Every selected layer is checked before any is changed: a group size that does not divide a layer's input
     features, an unknown format, a model quantised already, a format the device cannot run at all are
@@ -165,7 +174,18 @@ def quantize(model: nn.Module, format: str, *, group_size: int | None = None, mo
     for device, dtype in {(m.weight.device, m.weight.dtype) for _, m in chosen}:
         if device.type != "meta":
             _check_device(fmt.name, device, dtype)
-    for name, m in chosen:
+    layers = dict(chosen)
+    groups = []
+    for names in sibling_sets([name for name in layers if name], merge):
+        problem = sibling_problem([layers[n] for n in names])
+        if problem is None:
+            groups.append(names)
+        else:
+            logger.info("torchport.quantize: %s quantised one by one, not merged: %s", names, problem)
+    for names in groups:
+        for name, layer in zip(names, quantize_together([layers.pop(n) for n in names], fmt.name, group_size, names)):
+            _replace(model, name, layer)
+    for name, m in layers.items():
         layer = QuantizedLinear.from_linear(m, fmt.name, group_size)
         if not name:  # the model is itself a linear layer: the quantised layer is returned instead
             return layer
@@ -203,8 +223,8 @@ def _unique_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Save a (partly) quantised model's state in one safetensors file; the formats go in its metadata. Tied
-    tensors are stored once.
+    """Save a (partly) quantised model's state in one safetensors file; the formats and the merged sibling groups
+    go in its metadata (:func:`load` merges them again). Tied tensors are stored once.
 
     Example:
         >>> save(quantize(model, "int4"), "model-int4.safetensors")
@@ -215,8 +235,13 @@ def save(model: nn.Module, path: str | os.PathLike[str]) -> None:
                      "out_features": layer.out_features, "bias": layer.bias is not None,
                      "dtype": str(layer.dtype).removeprefix("torch.")}
               for name, layer in quantized_modules(model).items()}
-    metadata = {_METADATA_KEY: json.dumps({"version": _METADATA_VERSION, "layers": layers})}
-    tensors = {name: t.detach().to("cpu").contiguous() for name, t in _unique_state(model).items()}
+    info = {"version": _METADATA_VERSION, "layers": layers, "merged": merged_groups(model)}
+    metadata = {_METADATA_KEY: json.dumps(info)}
+    tensors = {}
+    for name, t in _unique_state(model).items():
+        t = t.detach().to("cpu").contiguous()
+        # a merged layer's codes are a slice of its group's tensor; safetensors stores tensors that own their memory
+        tensors[name] = t.clone() if t.untyped_storage().nbytes() != t.nbytes else t
     save_file(tensors, os.fspath(path), metadata=metadata)
 
 
@@ -276,4 +301,6 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
         raise QuantizationError(f"{os.fspath(path)} does not fit the model: missing {missing_keys[:8]}, "
                                 f"unexpected {unexpected[:8]}")
     model.load_state_dict(tensors, strict=False)
+    for names in info.get("merged", []):
+        merge_layers(model, names)
     return model

@@ -38,6 +38,7 @@ class QuantizedLinear(nn.Module):
     """
 
     cache_dequantized: bool = False
+    _group: Any = None  # the quant.merge.SiblingGroup this layer's codes are a row slice of, if any
 
     def __init__(self, in_features: int, out_features: int, format: str, group_size: int | None = None, *,
                  bias: bool = True, dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> None:
@@ -92,6 +93,10 @@ class QuantizedLinear(nn.Module):
         return self.dequantized_weight()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._group is not None and x.dim() and x.numel() == x.shape[-1] == self.in_features:
+            y = self._group.output(self, x)  # one row: one kernel for this layer and its siblings
+            if y is not None:
+                return y
         if self.cache_dequantized and x.numel() > _DECODE_ROWS * x.shape[-1]:
             return F.linear(x, self._dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not self.cache_dequantized:

@@ -9,6 +9,7 @@ from the device's own generator, and ``torch.save`` / ``torch.load`` keep the de
 
 from __future__ import annotations
 
+import copy
 import sys
 from typing import Any
 
@@ -60,6 +61,23 @@ class SimulatedTensor(torch.Tensor):
 
     def tolist(self) -> Any:
         return self._raw.tolist()
+
+    def __deepcopy__(self, memo: dict) -> SimulatedTensor:
+        # torch's default copies a wrapper by clone() only when its data_ptr() is 0, which a view's is not; copy
+        # the host tensor instead, so that views of one tensor stay views of one copy (as on a device)
+        if id(self) in memo:
+            return memo[id(self)]
+        if not self.is_leaf:
+            raise RuntimeError("Only Tensors created explicitly by the user (graph leaves) support the deepcopy "
+                               "protocol at the moment.")
+        with torch.no_grad():
+            copied = SimulatedTensor(copy.deepcopy(self._raw.detach(), memo), self.device.index)
+        copied.requires_grad_(self.requires_grad)
+        memo[id(self)] = copied
+        for key, value in self.__dict__.items():  # what marks a Parameter (_is_param), and any user attribute
+            if key != "_raw" and not key.startswith("_sym_"):  # not the sizes cached by the dispatch policy
+                copied.__dict__[key] = copy.deepcopy(value, memo)
+        return copied
 
     def numpy(self, *, force: bool = False) -> Any:
         if not force:

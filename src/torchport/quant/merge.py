@@ -1,0 +1,318 @@
+"""Sibling low-bit layers that read the same input (q/k/v, gate/up) held as one weight and run as one kernel.
+
+At batch-1 decode a layer's kernel is too short to reach the memory bandwidth: on an H100 an int4 4096 x 4096
+layer moves its 9.9 MB at under 1 TB/s, because a launch's ramp-up and tail are a large part of 8 µs. The three
+attention projections of a Llama layer read the same hidden state, and so do the MLP's gate and up projections; as
+one weight of 6144 (or 28672) output features their kernel reads two to three times the bytes per launch
+(``benchmarks/RESULTS.md``, issue 24: int4 q + k + v 18.3 µs against 10.8 µs merged).
+
+The layers stay separate modules with their own names and state-dict entries: their codes and scales become row
+slices of one tensor per kind (so memory is unchanged), and a :class:`SiblingGroup` joins them. When one of them is
+called on a single row, the group computes every sibling's output in one call and keeps it; each sibling then
+called with the same tensor (same object, not modified since: ``_version``) gets its slice of that output. A
+sibling called with another tensor (cross-attention: the keys and values read the encoder's states), or a merged
+call whose other outputs were never taken, shows that the siblings do not share their input: the group then stops
+merging and every layer runs on its own. Several rows (prefill, batched decode) run each layer on its own: merged
+outputs would be column slices of a wider matrix, not contiguous tensors, and at those sizes the kernels are long
+enough. Inside ``torch.compile`` the layers run on their own too (the group's bookkeeping is Python state).
+
+Example:
+    >>> torchport.quantize(model, "int4")                     # merges q/k/v and gate/up by default
+    >>> torchport.quant.merged_groups(model)
+    [('layers.0.self_attn.q_proj', 'layers.0.self_attn.k_proj', 'layers.0.self_attn.v_proj'), ...]
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..kernels.lowbit_matmul import lowbit_linear
+from .formats import QuantizationError
+from .linear import QuantizedLinear
+
+__all__ = ["SIBLINGS", "SiblingGroup", "merge_layers", "merge_siblings", "merged_groups", "quantize_together", "sibling_problem",
+           "sibling_sets"]
+
+logger = logging.getLogger("torchport")
+
+#: Child names of one module whose linear layers read the same input in the common model families: HF Llama,
+#: Mistral, Qwen, Gemma, Phi-3-style (``q_proj``...), BERT/ViT (``query``...), Meta's reference Llama and Mixtral's
+#: experts (``wq``..., ``w1``/``w3``).
+SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
+                                         ("query", "key", "value"), ("wq", "wk", "wv"), ("w1", "w3"))
+_ROWS = ("qweight", "scale", "offset")  # tensors with one row per output feature; global_scale is per layer
+
+
+def _as_sets(siblings: bool | Iterable[Sequence[str]] | None) -> tuple[tuple[str, ...], ...]:
+    if siblings is None or siblings is False:
+        return ()
+    if siblings is True:
+        return SIBLINGS
+    if isinstance(siblings, str):
+        raise QuantizationError(f"merge must be True, False or a list of child-name tuples such as "
+                                f"[('q_proj', 'k_proj', 'v_proj')]; got the string {siblings!r}")
+    sets = tuple(tuple(s) for s in siblings)
+    for s in sets:
+        if len(s) < 2 or not all(isinstance(n, str) and n and "." not in n for n in s):
+            raise QuantizationError(f"merge: each entry is a tuple of two or more child names (no dots) of one "
+                                    f"module, e.g. ('gate_proj', 'up_proj'); got {s!r}")
+    return sets
+
+
+def sibling_sets(names: Iterable[str], siblings: bool | Iterable[Sequence[str]] | None = True,
+                 ) -> list[tuple[str, ...]]:
+    """Which of the qualified layer ``names`` form merge groups: per parent module and entry of ``siblings``, the
+    entry's children present among ``names`` (two or more), in the entry's order.
+
+    Example:
+        >>> sibling_sets(["a.q_proj", "a.k_proj", "a.v_proj", "a.o_proj"])
+        [('a.q_proj', 'a.k_proj', 'a.v_proj')]
+    """
+    present = set(names)
+    parents = sorted({n.rpartition(".")[0] for n in present})
+    out = []
+    for parent in parents:
+        prefix = f"{parent}." if parent else ""
+        for entry in _as_sets(siblings):
+            found = tuple(prefix + child for child in entry if prefix + child in present)
+            if len(found) >= 2:
+                out.append(found)
+    taken: set[str] = set()
+    for group in out:
+        if taken & set(group):
+            raise QuantizationError(f"merge: layer(s) {sorted(taken & set(group))} appear in two sibling sets; a "
+                                    f"layer can be merged with one set only")
+        taken.update(group)
+    return out
+
+
+def mergeable(layers: Sequence[nn.Module]) -> str | None:
+    """Why ``layers`` cannot share one weight, or None when they can."""
+    first = layers[0]
+    if not all(isinstance(m, QuantizedLinear) for m in layers):
+        return "not all of them are QuantizedLinear layers"
+    keys = {(m.in_features, m.format, m.group_size, m.dtype, m.qweight.device, m.bias is not None) for m in layers}
+    if len(keys) > 1:
+        return (f"they differ in input features, format, group size, dtype, device or bias "
+                f"({sorted(str(k) for k in keys)})")
+    if first.format == "nvfp4" and len({float(m.global_scale) for m in layers}) > 1:
+        return "their nvfp4 global scales differ (quantise them together: torchport.quantize(..., merge=True))"
+    return None
+
+
+class SiblingGroup:
+    """Layers whose codes and scales are row slices of one tensor per kind; see the module's docstring.
+
+    ``shared`` turns False (for good) once the layers are seen to read different inputs.
+    """
+
+    def __init__(self, members: Sequence[QuantizedLinear], names: Sequence[str] = ()) -> None:
+        self.members = list(members)
+        self.names = tuple(names)
+        self.shared = True
+        self._reset()
+        self.tensors()  # joins the layers' storage (a copy only where it is not one tensor already)
+        for m in self.members:
+            m._group = self
+
+    def _reset(self) -> None:
+        self._key: tuple = ()
+        self._merged: dict[str, torch.Tensor] = {}
+        self._cache: dict[str, Any] = {}  # lowbit_linear's layouts derived once per weight (torch_npu)
+        self._bias: tuple[tuple, torch.Tensor | None] = ((), None)
+        self._pending: tuple | None = None  # (x, x._version, merged output, indices still to take their slice)
+
+    def __getstate__(self) -> dict[str, Any]:  # copies and pickles carry the layers, not a call in flight
+        return {"members": self.members, "names": self.names, "shared": self.shared}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._reset()
+
+    @property
+    def out_features(self) -> list[int]:
+        return [m.out_features for m in self.members]
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """The merged codes and scales; the layers' buffers are made views of them again if they were moved or
+        replaced (``.to(device)`` moves each layer's slice on its own)."""
+        key = tuple((t.data_ptr(), t._version) for m in self.members for t in m.tensors().values())
+        if key == self._key:
+            return self._merged
+        first = self.members[0]
+        merged = {}
+        for name in _ROWS:
+            if not hasattr(first, name):
+                continue
+            parts = [getattr(m, name) for m in self.members]
+            base = _joined(parts)
+            if base is None:
+                base = torch.cat([p.view(torch.uint8) if p.element_size() == 1 else p for p in parts])
+                base = base.view(parts[0].dtype)
+                start = 0
+                for m, p in zip(self.members, parts):
+                    m._buffers[name] = base[start:start + p.shape[0]]
+                    start += p.shape[0]
+            merged[name] = base
+        if hasattr(first, "global_scale"):
+            reason = mergeable(self.members)
+            if reason is not None:
+                logger.warning("torchport: layers %s no longer merge (%s); each runs on its own", self.names, reason)
+                self.shared = False
+            merged["global_scale"] = first.global_scale
+        self._merged, self._cache = merged, {}
+        self._key = tuple((t.data_ptr(), t._version) for m in self.members for t in m.tensors().values())
+        return merged
+
+    def bias(self) -> torch.Tensor | None:
+        if self.members[0].bias is None:
+            return None
+        biases = [m.bias for m in self.members]
+        if torch.is_grad_enabled() and any(b.requires_grad for b in biases):
+            return torch.cat(biases)  # gradients flow back to each layer's bias
+        key = tuple((b.data_ptr(), b._version, b.dtype) for b in biases)
+        if self._bias[0] != key:
+            self._bias = (key, torch.cat([b.detach() for b in biases]))
+        return self._bias[1]
+
+    def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor | None:
+        """``member(x)`` from the merged call, or None when ``member`` should run on its own."""
+        if not self.shared or torch.compiler.is_compiling():
+            return None
+        index = next(i for i, m in enumerate(self.members) if m is member)
+        pending = self._pending
+        if pending is not None:
+            px, version, out, waiting = pending
+            if index in waiting and px is x and version == x._version:
+                waiting.discard(index)
+                if not waiting:
+                    self._pending = None
+                return self._slice(out, index)
+            # a layer that was owed a slice of the last merged call was called with another tensor, or never
+            # came: these layers do not share one input
+            logger.info("torchport: layers %s do not read one input; they run on their own from now on", self.names)
+            self.shared, self._pending = False, None
+            return None
+        merged = self.tensors()
+        if not self.shared:
+            return None
+        first = self.members[0]
+        out = lowbit_linear(x, merged, first.format, first.group_size, self.bias(),
+                            dequantize=first.format_spec.dequantize, cache=self._cache)
+        self._pending = (x, x._version, out, set(range(len(self.members))) - {index})
+        return self._slice(out, index)
+
+    def _slice(self, out: torch.Tensor, index: int) -> torch.Tensor:
+        start = sum(m.out_features for m in self.members[:index])
+        return out[..., start:start + self.members[index].out_features]
+
+
+def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The one tensor ``parts`` are consecutive row blocks of, as a view, or None."""
+    first = parts[0]
+    if not all(p.is_contiguous() and p.dtype == first.dtype and p.device == first.device
+               and p.shape[1:] == first.shape[1:] for p in parts):
+        return None
+    try:
+        same = len({p.untyped_storage().data_ptr() for p in parts}) == 1
+    except RuntimeError:  # a tensor subclass without a plain storage (the simulated NPU's): views of one base
+        same = first._base is not None and all(p._base is first._base for p in parts)
+    if not same:
+        return None
+    offset = first.storage_offset()
+    for p in parts:
+        if p.storage_offset() != offset:
+            return None
+        offset += p.numel()
+    rows = sum(p.shape[0] for p in parts)
+    return first.as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
+
+
+def quantize_together(linears: Sequence[nn.Linear], format: str, group_size: int | None,
+                      names: Sequence[str] = ()) -> list[QuantizedLinear]:
+    """``linears`` (same input features, dtype, device and bias presence: see :func:`sibling_problem`) quantised as
+    one weight of all their rows, returned as one :class:`QuantizedLinear` each over row slices of it, joined in a
+    :class:`SiblingGroup`. The codes equal those of quantising each alone, except nvfp4's: one global scale for all.
+    """
+    weight = torch.cat([m.weight.detach() for m in linears])
+    first = QuantizedLinear(linears[0].in_features, weight.shape[0], format, group_size, bias=False,
+                            dtype=weight.dtype, device="meta")
+    tensors = first.format_spec.quantize(weight, first.group_size)
+    del weight
+    layers, start = [], 0
+    for linear in linears:
+        layer = QuantizedLinear(linear.in_features, linear.out_features, format, group_size, bias=False,
+                                dtype=linear.weight.dtype, device="meta")
+        for name, value in tensors.items():
+            value = value.contiguous()
+            setattr(layer, name, value[start:start + linear.out_features] if name in _ROWS else value.clone())
+        layer.bias = linear.bias
+        layers.append(layer)
+        start += linear.out_features
+    SiblingGroup(layers, names)
+    return layers
+
+
+def sibling_problem(linears: Sequence[nn.Linear]) -> str | None:
+    """Why the dense ``linears`` cannot be quantised as one weight, or None."""
+    keys = {(m.in_features, m.weight.dtype, m.weight.device, m.bias is not None) for m in linears}
+    if len(keys) > 1:
+        return f"they differ in input features, dtype, device or bias ({sorted(str(k) for k in keys)})"
+    return None
+
+
+def merged_groups(model: nn.Module) -> list[tuple[str, ...]]:
+    """The qualified names of each group of merged layers in ``model``.
+
+    Example:
+        >>> merged_groups(torchport.quantize(model, "int4"))[:1]
+        [('layers.0.self_attn.q_proj', 'layers.0.self_attn.k_proj', 'layers.0.self_attn.v_proj')]
+    """
+    names = {id(m): name for name, m in model.named_modules()}
+    seen: set[int] = set()
+    out = []
+    for m in model.modules():
+        group = getattr(m, "_group", None) if isinstance(m, QuantizedLinear) else None
+        if group is None or id(group) in seen or not all(id(x) in names for x in group.members):
+            continue
+        seen.add(id(group))
+        out.append(tuple(names[id(x)] for x in group.members))
+    return out
+
+
+def merge_siblings(model: nn.Module, siblings: bool | Iterable[Sequence[str]] = True) -> list[tuple[str, ...]]:
+    """Join ``model``'s quantised sibling layers (see :data:`SIBLINGS`, or your own child-name tuples) into
+    :class:`SiblingGroup` s; returns the groups made. Sets that cannot merge (different formats, dtypes, nvfp4
+    global scales...) are left as they are, with the reason logged. Their codes are copied into one tensor per kind
+    once (the old ones are freed).
+
+    Example:
+        >>> merge_siblings(torchport.quant.load(model, "model-int4.safetensors"), [("gate_proj", "up_proj")])
+    """
+    layers = {name: m for name, m in model.named_modules() if isinstance(m, QuantizedLinear)}
+    return [names for names in sibling_sets(layers, siblings) if merge_layers(model, names)]
+
+
+def merge_layers(model: nn.Module, names: Sequence[str]) -> bool:
+    """Join the quantised layers ``names`` (qualified) of ``model`` into one :class:`SiblingGroup`; False (and the
+    reason logged) when they cannot share one weight."""
+    members = []
+    for name in names:
+        try:
+            layer = model.get_submodule(name)
+        except AttributeError:
+            raise QuantizationError(f"merge: the model has no layer {name!r}") from None
+        if isinstance(layer, QuantizedLinear) and layer._group is not None:
+            raise QuantizationError(f"merge: layer {name!r} is merged already, with {layer._group.names}")
+        members.append(layer)
+    reason = mergeable(members)
+    if reason is not None:
+        logger.info("torchport: layers %s are not merged: %s", tuple(names), reason)
+        return False
+    SiblingGroup(members, names)
+    return True
