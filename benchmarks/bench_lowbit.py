@@ -20,11 +20,11 @@ RMSNorm, RoPE and SwiGLU run as torchport's fused kernels for every contender (`
 ~20 small kernels per layer cost about 2.5 ms of an H100's 8 ms bf16 step and hide the linear layers' speed-up).
 
 Contenders: ``bf16``; ``torchport-{int8,fp8,int4,mxfp4,nvfp4}`` (``torchport.quantize``: q/k/v and gate/up merged,
-one kernel each at batch-1 decode; ``--separate`` adds ``torchport-<format>-separate`` with ``merge=False``); ``torchao-{int8,fp8,int4,
-nvfp4}`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``, ``Float8WeightOnlyConfig``,
-``Int4WeightOnlyConfig`` in tinygemm's ``tile_packed_to_4d`` layout, which needs only torch, and
-``NVFP4WeightOnlyConfig``; torchao 0.18 has no weight-only MXFP4). Targets: int4/fp4 weight memory <= 30% of bf16,
-batch-1 decode >= 1.5x bf16, accuracy no worse than torchao's for the same format.
+one kernel each at batch-1 decode; ``--separate`` adds ``torchport-<format>-separate`` with ``merge=False``);
+``torchao-{int8,fp8,int4,nvfp4}`` (``torchao.quantization.quantize_`` with ``Int8WeightOnlyConfig``,
+``Float8WeightOnlyConfig``, ``Int4WeightOnlyConfig`` in tinygemm's ``tile_packed_to_4d`` layout, which needs only
+torch, and ``NVFP4WeightOnlyConfig``; torchao 0.18 has no weight-only MXFP4). Targets: int4/fp4 weight memory
+<= 30% of bf16, batch-1 decode >= 1.5x bf16, accuracy no worse than torchao's for the same format.
 
     PYTHONPATH=$PWD/src python3 benchmarks/bench_lowbit.py --json benchmarks/results/lowbit.json   # GPU, ~5 min
     python3 benchmarks/bench_lowbit.py --small --device cpu                                        # smoke run

@@ -31,7 +31,8 @@ from torch import nn
 from .._bytes import weight_bytes
 from .formats import FORMATS, Format, QuantizationError, get_format, list_formats
 from .linear import QuantizedLinear
-from .merge import SIBLINGS, merge_layers, merge_siblings, merged_groups, quantize_together, sibling_problem, sibling_sets
+from .merge import (SIBLINGS, merge_layers, merge_siblings, merged_groups, quantize_together, sibling_problem,
+                    sibling_sets)
 
 __all__ = ["FORMATS", "Format", "QuantizationError", "QuantizedLinear", "SIBLINGS", "default_format", "dequantize",
            "get_format", "list_formats", "load", "merge_siblings", "merged_groups", "quantize", "quantized_modules",

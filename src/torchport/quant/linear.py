@@ -31,6 +31,9 @@ class QuantizedLinear(nn.Module):
     prefill then runs at the dense matmul's speed, and the layer holds the codes plus a dense copy (bf16: 2 bytes per
     weight) from its first call of more than 16 rows until the flag is cleared or the layer is moved.
 
+    Layers that :func:`torchport.quantize` merged (q/k/v, gate/up: :mod:`torchport.quant.merge`) hold their codes
+    as row slices of one tensor and, at one row, run one kernel for the set.
+
     Example:
         >>> layer = QuantizedLinear.from_linear(nn.Linear(4096, 4096, dtype=torch.bfloat16), "int4")
         >>> y = layer(x)                    # == x @ layer.dequantized_weight().T, fused where the device allows
