@@ -110,7 +110,9 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
                 p = a0 * x0[None, :] + a1 * x1[None, :] + a2 * x2[None, :] + a3 * x3[None, :]
                 p += a4 * x4[None, :] + a5 * x5[None, :] + a6 * x6[None, :] + a7 * x7[None, :]
             first = w0 + tl.arange(0, GT) * WG  # each run's first word: its group's scale
-            s_off = rn[:, None] * stride_sn + (first // WPG)[None, :]
+            # a run is a whole group or (GT == 1) part of one, so the runs' groups are w0 // WPG + 0, 1, ...: written
+            # so, the offsets are seen as contiguous and a row's scale bytes load as one vector, not byte by byte
+            s_off = rn[:, None] * stride_sn + (w0 // WPG + tl.arange(0, GT))[None, :]
             s_mask = mask_n[:, None] & (first < w_end)[None, :]
             if FORMAT == INT4:
                 s = load(s_ptr + s_off, s_mask, 0.0, EVEN).to(tl.float32)
