@@ -1,7 +1,7 @@
 """Sibling low-bit layers that read the same input (q/k/v, gate/up) held as one weight and run as one kernel.
 
 At batch-1 decode a layer's kernel is too short to reach the memory bandwidth: on an H100 an int4 4096 x 4096
-layer moves its 9.9 MB at 0.85-1.2 TB/s, because a launch's ramp-up and tail are a large part of 8-12 µs. The three
+layer moves its 8.9 MB at 0.77-1.07 TB/s, because a launch's ramp-up and tail are a large part of 8-12 µs. The three
 attention projections of a Llama layer read the same hidden state, and so do the MLP's gate and up projections; as
 one weight of 6144 (or 28672) output features their kernel reads two to three times the bytes per launch
 (``benchmarks/RESULTS.md``, issue 24: int4 q + k + v 18.3 µs against 10.8 µs merged).
