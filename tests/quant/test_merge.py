@@ -225,3 +225,23 @@ def test_a_compiled_model_runs_each_layer_on_its_own(device):
     torchport_quantize = torchport.quantize  # the top-level name takes merge= too
     assert quant.merged_groups(torchport_quantize(Layer(), "int8", merge=[("gate_proj", "up_proj")])) == [
         ("gate_proj", "up_proj")]
+
+
+def test_a_merged_weight_past_the_fused_kernels_limits_runs_layer_by_layer(npu, monkeypatch, caplog):
+    # torch_npu's weight-quant matmul takes at most 65535 output features: two layers of 40000 each fit, as one
+    # weight they would not, and the merged call would fall back to the reference
+    torch.manual_seed(0)
+    mlp = nn.Module()
+    mlp.gate_proj, mlp.up_proj = (nn.Linear(64, 40000, bias=False) for _ in range(2))
+    mlp = mlp.to(npu, torch.bfloat16)
+    alone = quant.quantize(copy.deepcopy(mlp), "int4", merge=False)
+    quant.quantize(mlp, "int4")
+    assert quant.merged_groups(mlp) == [("gate_proj", "up_proj")]
+    calls = _count_calls(monkeypatch)
+    x = torch.randn(1, 64, device=npu, dtype=torch.bfloat16)
+    with caplog.at_level(logging.INFO, logger="torchport"):
+        for name in ("gate_proj", "up_proj"):
+            assert torch.equal(mlp.get_submodule(name)(x), alone.get_submodule(name)(x))
+    assert calls == []
+    assert "run on their own" in caplog.text and "65535" in caplog.text
+    assert "using the reference" not in caplog.text

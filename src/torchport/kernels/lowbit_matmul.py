@@ -29,7 +29,7 @@ from ..backends.npu import device_chip, operator_limits
 from . import _autograd, registry
 from .spec import OpSpec, randn
 
-__all__ = ["lowbit_linear"]
+__all__ = ["fused_refusal", "lowbit_linear"]
 
 Dequantize = Callable[[Mapping[str, torch.Tensor], torch.dtype], torch.Tensor]
 
@@ -144,6 +144,30 @@ class _LowbitLinear(torch.autograd.Function):
         dx = dy @ dequantize(t, dy.dtype) if ctx.needs_input_grad[0] else None
         dbias = dy.sum(0) if has_bias and ctx.needs_input_grad[1] else None
         return dx, dbias, None, None, None, None, None
+
+
+def _triton_refuses(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int) -> str | None:
+    try:
+        _triton_check(x, fmt, group)
+    except registry.Unsupported as exc:
+        return str(exc)
+    return None
+
+
+_REFUSALS = {"npu": _npu_refuses, "triton": _triton_refuses}
+
+
+def fused_refusal(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int) -> str | None:
+    """Why the implementation chosen for ``x``'s device would hand ``x @ W.T`` to the reference (a shape or dtype
+    outside its limits), or None. :mod:`torchport.quant.merge` asks before it runs sibling layers as one weight,
+    whose output features may pass a limit that each layer keeps (torch_npu: 65535).
+
+    Example:
+        >>> fused_refusal(x, merged_tensors, "int4", 128)   # None where the fused path takes the merged weight
+    """
+    impl = registry.select("lowbit_matmul", x.device, quiet=True)
+    refuses = _REFUSALS.get(impl.name)
+    return None if refuses is None else refuses(x, t, fmt, group)
 
 
 def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,

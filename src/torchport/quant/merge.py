@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.lowbit_matmul import lowbit_linear
+from ..kernels.lowbit_matmul import fused_refusal, lowbit_linear
 from .formats import QuantizationError
 from .linear import QuantizedLinear
 
@@ -126,6 +126,7 @@ class SiblingGroup:
         self._cache: dict[str, Any] = {}  # lowbit_linear's layouts derived once per weight (torch_npu)
         self._bias: tuple[tuple, torch.Tensor | None] = ((), None)
         self._pending: tuple | None = None  # (x, x._version, merged output, indices still to take their slice)
+        self._fit: dict[tuple, bool] = {}  # (device, dtype) -> whether the fused kernel takes the merged weight
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles carry the layers, not a call in flight
         return {"members": self.members, "names": self.names, "shared": self.shared}
@@ -199,13 +200,28 @@ class SiblingGroup:
             self.shared, self._pending = False, None
             return None
         merged = self.tensors()
-        if not self.shared:
+        if not self.shared or not self._fits(x, merged):
             return None
         first = self.members[0]
         out = lowbit_linear(x, merged, first.format, first.group_size, self.bias(),
                             dequantize=first.format_spec.dequantize, cache=self._cache)
         self._pending = (x, x._version, out, set(range(len(self.members))) - {index})
         return self._slice(out, index)
+
+    def _fits(self, x: torch.Tensor, merged: dict[str, torch.Tensor]) -> bool:
+        """Whether the device's fused kernel takes the merged weight wherever it takes each layer's own (per device
+        and dtype of ``x``); where it would not, the layers run on their own."""
+        key = (x.device, x.dtype)
+        fits = self._fit.get(key)
+        if fits is None:
+            first = self.members[0]
+            reason = fused_refusal(x, merged, first.format, first.group_size)
+            fits = reason is None or any(fused_refusal(x, m.tensors(), m.format, m.group_size) for m in self.members)
+            if not fits:
+                logger.info("torchport: layers %s run on their own on %s: as one weight %s", self.names, x.device,
+                            reason)
+            self._fit[key] = fits
+        return fits
 
     def _slice(self, out: torch.Tensor, index: int) -> torch.Tensor:
         start = sum(m.out_features for m in self.members[:index])
