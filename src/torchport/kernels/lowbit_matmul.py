@@ -19,7 +19,8 @@ of a quantised model (QLoRA-style) work; the codes themselves get no gradient.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ import torch.nn.functional as F
 
 from ..backends.npu import device_chip, operator_limits
 from . import _autograd, registry
-from .spec import OpSpec, randn
+from .spec import CustomOp, OpSpec, randn
 
 __all__ = ["fused_refusal", "lowbit_linear"]
 
@@ -171,21 +172,82 @@ def fused_refusal(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
 
 
 def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
-                  *, dequantize: Dequantize, cache: dict[str, Any] | None = None) -> torch.Tensor:
+                  *, dequantize: Dequantize | None = None, cache: dict[str, Any] | None = None) -> torch.Tensor:
     """``x @ W.T + bias`` where ``W`` is held as the low-bit tensors ``t`` of format ``fmt`` (see
     :mod:`torchport.quant.formats`); ``dequantize(t, dtype)`` is the format's plain-PyTorch decoder (the reference,
-    and the backward). ``cache`` keeps layouts an implementation derives once per weight (torch_npu's int4 pack).
+    and the backward; default: the format's own, looked up by name). ``cache`` keeps layouts an implementation
+    derives once per weight (torch_npu's int4 pack). Under ``torch.compile`` the graph calls
+    ``torch.ops.torchport.lowbit_matmul`` (no graph break).
 
     Example:
-        >>> y = lowbit_linear(x, layer.tensors(), "int4", 128, None, dequantize=get_format("int4").dequantize)
+        >>> y = lowbit_linear(x, layer.tensors(), "int4", 128, None)
     """
     if x.shape[-1] != _in_features(t, fmt):
         raise ValueError(f"lowbit_linear: x has {x.shape[-1]} features, the weight takes {_in_features(t, fmt)}")
     rows = x.reshape(-1, x.shape[-1])
     if rows.shape[-1] > 1 and rows.stride(-1) != 1:
         rows = rows.contiguous()
-    y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
+    if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
+        y = registry.custom_op("lowbit_matmul")(rows, t["qweight"], t["scale"], t.get("offset"), t.get("global_scale"),
+                                                bias, fmt, int(group))
+    else:
+        if dequantize is None:
+            from ..quant.formats import get_format  # the decoder belongs to the quantisation layer
+
+            dequantize = get_format(fmt).dequantize
+        y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# -- torch.ops.torchport.lowbit_matmul: the op a compiled graph calls --------------------------------------------------
+# Its arguments are the format's tensors one by one (a schema takes no mapping) and the format's name; the format's
+# decoder is looked up by name when the op runs. torch_npu's repacked int4 weight is kept per qweight tensor for as
+# long as that tensor lives, as the layer's cache keeps it in eager mode.
+_op_caches: dict[int, dict[str, Any]] = {}
+
+
+def _op_tensors(qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    t = {"qweight": qweight, "scale": scale}
+    if offset is not None:
+        t["offset"] = offset
+    if global_scale is not None:
+        t["global_scale"] = global_scale
+    return t
+
+
+def _op_cache(qweight: torch.Tensor) -> dict[str, Any]:
+    key = id(qweight)
+    cache = _op_caches.get(key)
+    if cache is None:
+        cache = _op_caches[key] = {}
+        weakref.finalize(qweight, _op_caches.pop, key, None)
+    return cache
+
+
+def _op_forward(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                global_scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str, group: int) -> torch.Tensor:
+    from ..quant.formats import get_format  # the decoder belongs to the quantisation layer
+
+    t = _op_tensors(qweight, scale, offset, global_scale)
+    return registry.call("lowbit_matmul", x.device, x, t, fmt, group, bias, get_format(fmt).dequantize,
+                         _op_cache(qweight))
+
+
+def _op_fake(x: torch.Tensor, qweight: torch.Tensor, *rest: Any) -> torch.Tensor:
+    return x.new_empty(x.shape[0], qweight.shape[0])
+
+
+def _op_backward(grads: Sequence[torch.Tensor], needs: Sequence[bool], x: torch.Tensor | None,
+                 qweight: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor | None,
+                 global_scale: torch.Tensor | None, bias: torch.Tensor | None, fmt: str,
+                 group: int) -> tuple[torch.Tensor | None, ...]:
+    from ..quant.formats import get_format
+
+    dy = grads[0]
+    t = _op_tensors(qweight, scale, offset, global_scale)
+    dx = dy @ get_format(fmt).dequantize(t, dy.dtype) if needs[0] else None
+    return dx, None, None, None, None, dy.sum(0) if needs[5] else None
 
 
 def _in_features(t: Mapping[str, torch.Tensor], fmt: str) -> int:
@@ -203,12 +265,8 @@ def _inputs(gen: torch.Generator | None, rows: int, n: int, k: int) -> tuple[tor
 
 
 def _int4(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
-    # the format's decoder belongs to the quantisation layer; the spec asks for it when called (by the tests, the
-    # benchmarks and the dashboard), never the kernel itself
-    from ..quant.formats import get_format
-
     tensors = {"qweight": codes, "scale": scale, "offset": offset}
-    return lowbit_linear(x, tensors, "int4", _GROUP, None, dequantize=get_format("int4").dequantize)
+    return lowbit_linear(x, tensors, "int4", _GROUP, None)
 
 
 def _bytes(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, offset: torch.Tensor) -> int:
@@ -224,4 +282,7 @@ SPEC = registry.register_op(OpSpec(
            "large": (2048, 14336, 4096), "benchmark": (16, 14336, 4096)},
     make=_inputs, call=_int4, differentiable=1, bytes_moved=_bytes,
     flops=lambda x, codes, scale, offset: 4 * x.shape[0] * codes.shape[0] * x.shape[1],  # y and dx: 2 matmuls
+    custom_op=CustomOp("(Tensor x, Tensor qweight, Tensor scale, Tensor? offset, Tensor? global_scale, Tensor? bias, "
+                       "str fmt, int group) -> Tensor", like=None, fake=_op_fake, forward=_op_forward,
+                       backward=_op_backward),
 ))
