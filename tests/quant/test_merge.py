@@ -70,6 +70,8 @@ def test_one_row_runs_each_sibling_set_as_one_kernel(fmt, device, monkeypatch):
     merged, alone = _pair(fmt, device)
     assert quant.merged_groups(merged) == [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
     assert quant.merged_groups(alone) == []
+    assert "merged=3" in repr(merged.k_proj) and "merged=2" in repr(merged.up_proj) and "merged" not in repr(
+        merged.o_proj)
     calls = _count_calls(monkeypatch)
     for shape in [(1, 256), (1, 1, 256), (256,)]:
         x = torch.randn(shape, device=device)

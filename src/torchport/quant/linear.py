@@ -150,5 +150,6 @@ class QuantizedLinear(nn.Module):
         return self
 
     def extra_repr(self) -> str:
+        merged = "" if self._group is None else f", merged={len(self._group.members)}"  # one weight with siblings
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "
-                f"group_size={self.group_size}, bias={self.bias is not None}, dtype={self.dtype}")
+                f"group_size={self.group_size}, bias={self.bias is not None}, dtype={self.dtype}{merged}")

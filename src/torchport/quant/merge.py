@@ -303,7 +303,7 @@ def merged_groups(model: nn.Module) -> list[tuple[str, ...]]:
 
 def merge_siblings(model: nn.Module, siblings: bool | Iterable[Sequence[str]] = True) -> list[tuple[str, ...]]:
     """Join ``model``'s quantised sibling layers (see :data:`SIBLINGS`, or your own child-name tuples) into
-    :class:`SiblingGroup` s; returns the groups made. Sets that cannot merge (different formats, dtypes, nvfp4
+    :class:`SiblingGroup` objects; returns the groups made. Sets that cannot merge (different formats, dtypes, nvfp4
     global scales...) are left as they are, with the reason logged. Their codes are copied into one tensor per kind
     once (the old ones are freed).
 
