@@ -98,10 +98,9 @@ def test_bf16_outputs_and_slices(device, dtype):
 
 
 def test_memory_is_unchanged_and_codes_are_slices_of_one_tensor(device):
-    merged, alone = _pair("int4", torch.device("cpu"))  # weight_bytes tells tensors apart by address
+    merged, alone = _pair("int4", device)
     assert quant.weight_bytes(merged) == quant.weight_bytes(alone) == sum(
         t.numel() * t.element_size() for t in [*alone.buffers(), *alone.parameters()])
-    merged, alone = _pair("int4", device)
     q, k, v = merged.q_proj.qweight, merged.k_proj.qweight, merged.v_proj.qweight
     assert q._base is not None and q._base is k._base is v._base  # slices of one tensor
     assert k.storage_offset() == q.numel() and v.storage_offset() == q.numel() + k.numel()

@@ -62,6 +62,11 @@ class SimulatedTensor(torch.Tensor):
     def tolist(self) -> Any:
         return self._raw.tolist()
 
+    def data_ptr(self) -> int:
+        # the address of the first element, as a device tensor reports it (a wrapper has no storage of its own and
+        # would report its offset alone, so that every tensor at offset 0 looked like the same memory)
+        return self._raw.data_ptr()
+
     def __deepcopy__(self, memo: dict) -> SimulatedTensor:
         # torch's default copies a wrapper by clone() only when its data_ptr() is 0, which a view's is not; copy
         # the host tensor instead, so that views of one tensor stay views of one copy (as on a device)
