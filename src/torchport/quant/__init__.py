@@ -7,6 +7,9 @@ CUDA, torch_npu's weight-quant matmul on Ascend (int8, int4), a plain-PyTorch re
 :mod:`torchport.kernels.lowbit_matmul`). Activations stay in the model's dtype. FP4 runs on every device: where
 the chip has no FP4 unit, the codes are decoded to the activation dtype in registers.
 
+Sibling layers that read one input (q/k/v, gate/up) are quantised as one weight and, at batch-1 decode, run as one
+kernel (:mod:`torchport.quant.merge`; ``merge=False`` turns it off).
+
 :func:`save` / :func:`load` keep a quantised model in one safetensors file, with the formats in its metadata.
 
 Example:
