@@ -156,3 +156,22 @@ def test_trainer_token_count_tensor_compiles_without_a_graph_break():
     assert relative_error(out.loss, eager_out.loss) < 1e-6
     for name, grad in grads.items():
         assert relative_error(grad, eager_grads[name.removeprefix("_orig_mod.")]) < 1e-5, name
+
+
+def test_quantised_patched_model_compiles_with_a_custom_op_per_linear():
+    """A model quantised by ``torchport.quantize`` (merged q/k/v and gate/up included) and patched: one graph, each
+    linear layer a ``torchport.lowbit_matmul`` call, logits equal to eager's."""
+    from torchport import quant
+
+    model = torchport.patch(quant.quantize(build("llama"), "int4")).eval()
+    assert quant.merged_groups(model)
+    input_ids = batch(CPU)["input_ids"]
+    explained = torch._dynamo.explain(model)(input_ids=input_ids)
+    assert explained.graph_break_count == 0, [r.reason for r in explained.break_reasons]
+    calls = [str(n.target) for g in explained.graphs for n in g.graph.nodes].count("torchport.lowbit_matmul")
+    assert calls == len(quant.quantized_modules(model))
+    torch._dynamo.reset()
+    with torch.no_grad():
+        want = model(input_ids=input_ids).logits
+        got = torch.compile(model, backend="aot_eager")(input_ids=input_ids).logits
+    assert relative_error(got, want) < 1e-5
