@@ -254,3 +254,24 @@ def test_a_merged_weight_past_the_fused_kernels_limits_runs_layer_by_layer(npu, 
     assert calls == []
     assert "run on their own" in caplog.text and "65535" in caplog.text
     assert "using the reference" not in caplog.text
+
+
+def test_merged_layers_under_inference_mode(device, monkeypatch):
+    """Inference tensors keep no version count; merged calls still run, and so do layers quantised inside
+    ``torch.inference_mode`` (their codes are inference tensors)."""
+    if type(torch.empty(0, device=device)) is not torch.Tensor:
+        pytest.skip("the simulated NPU's tensor wrapper takes no views under inference_mode (torch refuses to share "
+                    "a version counter with an inference wrapper): a limit of the simulation")
+    merged, alone = _pair("int4", device)
+    calls = _count_calls(monkeypatch)
+    with torch.inference_mode():
+        x = torch.randn(1, 256, device=device)
+        assert _rel(merged(x), alone(x)) <= TOLERANCE[torch.float32]
+        assert calls == [256 + 64 + 64, 160 + 160]
+        assert merged.q_proj._group.shared and merged.q_proj._group._pending is None
+        torch.manual_seed(0)
+        inside = quant.quantize(Layer().to(device), "int4")
+        assert inside.q_proj.qweight.is_inference() and quant.merged_groups(inside)
+        calls.clear()
+        assert _rel(inside(x), alone(x)) <= TOLERANCE[torch.float32]
+        assert calls == [256 + 64 + 64, 160 + 160]

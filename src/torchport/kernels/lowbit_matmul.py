@@ -30,7 +30,7 @@ from ..backends.npu import device_chip, operator_limits
 from . import _autograd, registry
 from .spec import CustomOp, OpSpec, randn
 
-__all__ = ["fused_refusal", "lowbit_linear"]
+__all__ = ["fused_refusal", "lowbit_linear", "tensor_version"]
 
 Dequantize = Callable[[Mapping[str, torch.Tensor], torch.dtype], torch.Tensor]
 
@@ -60,13 +60,20 @@ def _triton(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int
     return lowbit.matmul(x, dict(t), fmt, group, bias)
 
 
+def tensor_version(t: torch.Tensor) -> int | None:
+    """``t._version``, which counts in-place writes, or None for an inference tensor (made under
+    ``torch.inference_mode``, which keeps no count): a cache keyed on it is then kept across in-place writes made
+    inside inference mode."""
+    return None if t.is_inference() else t._version
+
+
 def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
                  cache: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int]:
     """(weight (K, N), antiquant_scale, antiquant_offset, antiquant_group_size) for torch_npu, made once per
     weight storage, version and activation dtype and kept in the layer's cache (an in-place update of the codes or
     scales, such as ``load_state_dict``, bumps a version and so makes it again)."""
     q, scale = t["qweight"], t["scale"]
-    key = ("npu", q.data_ptr(), x.dtype, *(v._version for v in t.values()))
+    key = ("npu", q.data_ptr(), x.dtype, *(tensor_version(v) for v in t.values()))
     if cache.get("key") == key:
         return cache["value"]
     if fmt == "int8":

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels.lowbit_matmul import lowbit_linear
+from ..kernels.lowbit_matmul import lowbit_linear, tensor_version
 from .formats import Format, get_format
 
 __all__ = ["QuantizedLinear"]
@@ -113,7 +113,7 @@ class QuantizedLinear(nn.Module):
         """The dequantised weight in ``dtype``, made once per storage, version and dtype of the codes and scales
         (an in-place update such as ``load_state_dict`` bumps a version and so makes it again)."""
         tensors = self.tensors()
-        key = (dtype, *((v.data_ptr(), v._version) for v in tensors.values()))
+        key = (dtype, *((v.data_ptr(), tensor_version(v)) for v in tensors.values()))
         cached = self._cache.get("dense")
         if cached is None or cached[0] != key:
             self._cache.pop("dense", None)  # free the old copy before making the new one

@@ -14,7 +14,13 @@ sibling called with another tensor (cross-attention: the keys and values read th
 call whose other outputs were never taken, shows that the siblings do not share their input: the group then stops
 merging and every layer runs on its own. Several rows (prefill, batched decode) run each layer on its own: merged
 outputs would be column slices of a wider matrix, not contiguous tensors, and at those sizes the kernels are long
-enough. Inside ``torch.compile`` the layers run on their own too (the group's bookkeeping is Python state).
+enough. Inside ``torch.compile`` the layers run on their own too, each one ``torch.ops.torchport.lowbit_matmul``
+call in the graph (the group's bookkeeping is Python state).
+
+Under ``torch.inference_mode`` tensors keep no version count, so an in-place write to the shared input between two
+sibling calls cannot be seen: the second sibling would get its slice of the output computed before the write. Model
+code does not write into the input that its projections share; code that does should quantise with
+``merge=False``.
 
 Example:
     >>> torchport.quantize(model, "int4")                     # merges q/k/v and gate/up by default
@@ -31,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..kernels.lowbit_matmul import fused_refusal, lowbit_linear
+from ..kernels.lowbit_matmul import fused_refusal, lowbit_linear, tensor_version
 from .formats import QuantizationError
 from .linear import QuantizedLinear
 
@@ -125,7 +131,7 @@ class SiblingGroup:
         self._merged: dict[str, torch.Tensor] = {}
         self._cache: dict[str, Any] = {}  # lowbit_linear's layouts derived once per weight (torch_npu)
         self._bias: tuple[tuple, torch.Tensor | None] = ((), None)
-        self._pending: tuple | None = None  # (x, x._version, merged output, indices still to take their slice)
+        self._pending: tuple | None = None  # (x, its version, merged output, indices still to take their slice)
         self._fit: dict[tuple, bool] = {}  # (device, dtype) -> whether the fused kernel takes the merged weight
 
     def __getstate__(self) -> dict[str, Any]:  # copies and pickles carry the layers, not a call in flight
@@ -142,7 +148,7 @@ class SiblingGroup:
     def tensors(self) -> dict[str, torch.Tensor]:
         """The merged codes and scales; the layers' buffers are made views of them again if they were moved or
         replaced (``.to(device)`` moves each layer's slice on its own)."""
-        key = tuple((t.data_ptr(), t._version) for m in self.members for t in m.tensors().values())
+        key = tuple((t.data_ptr(), tensor_version(t)) for m in self.members for t in m.tensors().values())
         if key == self._key:
             return self._merged
         first = self.members[0]
@@ -167,7 +173,7 @@ class SiblingGroup:
                 self.shared = False
             merged["global_scale"] = first.global_scale
         self._merged, self._cache = merged, {}
-        self._key = tuple((t.data_ptr(), t._version) for m in self.members for t in m.tensors().values())
+        self._key = tuple((t.data_ptr(), tensor_version(t)) for m in self.members for t in m.tensors().values())
         return merged
 
     def bias(self) -> torch.Tensor | None:
@@ -176,9 +182,11 @@ class SiblingGroup:
         biases = [m.bias for m in self.members]
         if torch.is_grad_enabled() and any(b.requires_grad for b in biases):
             return torch.cat(biases)  # gradients flow back to each layer's bias
-        key = tuple((b.data_ptr(), b._version, b.dtype) for b in biases)
+        # no gradient is recorded here; a copy made under inference mode serves inference mode only
+        key = (torch.is_inference_mode_enabled(), *((b.data_ptr(), tensor_version(b), b.dtype) for b in biases))
         if self._bias[0] != key:
-            self._bias = (key, torch.cat([b.detach() for b in biases]))
+            with torch.no_grad():
+                self._bias = (key, torch.cat(biases))
         return self._bias[1]
 
     def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor | None:
@@ -189,7 +197,7 @@ class SiblingGroup:
         pending = self._pending
         if pending is not None:
             px, version, out, waiting = pending
-            if index in waiting and px is x and version == x._version:
+            if index in waiting and px is x and version == tensor_version(x):
                 waiting.discard(index)
                 if not waiting:
                     self._pending = None
@@ -205,7 +213,7 @@ class SiblingGroup:
         first = self.members[0]
         out = lowbit_linear(x, merged, first.format, first.group_size, self.bias(),
                             dequantize=first.format_spec.dequantize, cache=self._cache)
-        self._pending = (x, x._version, out, set(range(len(self.members))) - {index})
+        self._pending = (x, tensor_version(x), out, set(range(len(self.members))) - {index})
         return self._slice(out, index)
 
     def _fits(self, x: torch.Tensor, merged: dict[str, torch.Tensor]) -> bool:
