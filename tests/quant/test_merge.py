@@ -148,6 +148,12 @@ def test_codes_moved_or_replaced_are_joined_again(device):
     assert _rel(model(x), alone(x)) <= TOLERANCE[torch.float32]
     q, k = model.q_proj.qweight, model.k_proj.qweight  # joined again: one new tensor
     assert k.storage_offset() == q.numel() and q._base is not None and k._base is q._base
+    # a sibling whose codes have no data now (an offloading hook's meta tensor): the others run on their own
+    model.v_proj.qweight = torch.empty_like(model.v_proj.qweight, device="meta")
+    assert model.q_proj._group.tensors() is None
+    assert _rel(model.q_proj(x), alone.q_proj(x)) <= TOLERANCE[torch.float32]
+    model.v_proj.qweight = alone.v_proj.qweight.clone()
+    assert _rel(model(x), alone(x)) <= TOLERANCE[torch.float32] and model.q_proj._group.shared
 
 
 def test_gradients_through_a_merged_call(device):

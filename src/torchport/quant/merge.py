@@ -145,12 +145,17 @@ class SiblingGroup:
     def out_features(self) -> list[int]:
         return [m.out_features for m in self.members]
 
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def tensors(self) -> dict[str, torch.Tensor] | None:
         """The merged codes and scales; the layers' buffers are made views of them again if they were moved or
-        replaced (``.to(device)`` moves each layer's slice on its own)."""
+        replaced (``.to(device)`` moves each layer's slice on its own). None while the layers' codes are not all on
+        one device (a device map that split them) or some have no data (on the meta device, as offloading hooks
+        leave them between calls)."""
         key = tuple((t.data_ptr(), tensor_version(t)) for m in self.members for t in m.tensors().values())
         if key == self._key:
             return self._merged
+        devices = {t.device for m in self.members for t in m.tensors().values()}
+        if len(devices) > 1 or any(d.type == "meta" for d in devices):
+            return None
         first = self.members[0]
         merged = {}
         for name in _ROWS:
@@ -208,7 +213,7 @@ class SiblingGroup:
             self.shared, self._pending = False, None
             return None
         merged = self.tensors()
-        if not self.shared or not self._fits(x, merged):
+        if merged is None or not self.shared or not self._fits(x, merged):
             return None
         first = self.members[0]
         out = lowbit_linear(x, merged, first.format, first.group_size, self.bias(),
