@@ -175,6 +175,8 @@ def test_save_load_and_copies_keep_the_groups(tmp_path, device):
     quant.save(merged, path)
     loaded = quant.load(Layer(), path, device=device)
     assert quant.merged_groups(loaded) == quant.merged_groups(merged)
+    again = quant.load(quant.quantize(Layer().to(device), "nvfp4"), path)  # into a model quantised and merged
+    assert quant.merged_groups(again) == quant.merged_groups(merged) and torch.equal(again(x), want)
     saved = io.BytesIO()
     torch.save(merged, saved)
     saved.seek(0)

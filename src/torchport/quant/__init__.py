@@ -306,5 +306,8 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
                                 f"unexpected {unexpected[:8]}")
     model.load_state_dict(tensors, strict=False)
     for names in info.get("merged", []):
+        groups = {id(getattr(model.get_submodule(n), "_group", None)) for n in names}
+        if len(groups) == 1 and getattr(model.get_submodule(names[0]), "_group", None) is not None:
+            continue  # a model quantised and merged already, loaded into
         merge_layers(model, names)
     return model
