@@ -4,8 +4,10 @@ layers run one by one, memory unchanged, and the cases where merging must stop o
 from __future__ import annotations
 
 import copy
-import logging
+import gc
 import io
+import logging
+import weakref
 
 import pytest
 import torch
@@ -36,9 +38,11 @@ class Layer(nn.Module):
         return h + self.down_proj(torch.nn.functional.silu(self.gate_proj(h)) * self.up_proj(h))
 
 
-def _pair(fmt: str, device: torch.device, dtype: torch.dtype = torch.float32) -> tuple[nn.Module, nn.Module]:
+def _pair(fmt: str, device: torch.device, dtype: torch.dtype = torch.float32, *,
+          train: bool = False) -> tuple[nn.Module, nn.Module]:
     """The same layer quantised merged and one by one (for nvfp4 the one-by-one layers get the merged layers'
-    global scale, so that both hold the same codes)."""
+    global scale, so that both hold the same codes); for inference (``train=False``) the biases need no gradient,
+    since where autograd records the layers run on their own."""
     torch.manual_seed(0)
     dense = Layer().to(device, dtype)
     merged = quant.quantize(copy.deepcopy(dense), fmt)
@@ -46,6 +50,8 @@ def _pair(fmt: str, device: torch.device, dtype: torch.dtype = torch.float32) ->
     if fmt == "nvfp4":
         for name, layer in quant.quantized_modules(merged).items():
             alone.get_submodule(name).load_state_dict(layer.state_dict())
+    merged.requires_grad_(train)
+    alone.requires_grad_(train)
     return merged, alone
 
 
@@ -66,6 +72,7 @@ def _count_calls(monkeypatch) -> list[int]:
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
+@torch.no_grad()  # the biases require gradients: where autograd records, each layer runs on its own
 def test_one_row_runs_each_sibling_set_as_one_kernel(fmt, device, monkeypatch):
     merged, alone = _pair(fmt, device)
     assert quant.merged_groups(merged) == [("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj")]
@@ -109,6 +116,7 @@ def test_memory_is_unchanged_and_codes_are_slices_of_one_tensor(device):
             assert torch.equal(t.cpu(), alone.get_submodule(name).tensors()[key].cpu()), (name, key)
 
 
+@torch.no_grad()
 def test_siblings_reading_different_inputs_stop_merging(device, monkeypatch, caplog):
     merged, alone = _pair("int8", device)
     calls = _count_calls(monkeypatch)
@@ -132,6 +140,7 @@ def test_an_input_changed_in_place_between_siblings_is_not_reused(device):
     assert not merged.q_proj._group.shared  # v never took its slice of the first call
 
 
+@torch.no_grad()
 def test_codes_moved_or_replaced_are_joined_again(device):
     torch.manual_seed(0)
     dense = Layer()
@@ -156,15 +165,26 @@ def test_codes_moved_or_replaced_are_joined_again(device):
     assert _rel(model(x), alone(x)) <= TOLERANCE[torch.float32] and model.q_proj._group.shared
 
 
-def test_gradients_through_a_merged_call(device):
-    merged, alone = _pair("int4", device)
+def test_training_runs_each_layer_on_its_own(device, monkeypatch):
+    """Where autograd records, outputs that were views of one tensor would share a version counter (an in-place
+    write to q would fail k's backward): the layers run on their own, and gradients equal the unmerged model's."""
+    merged, alone = _pair("int4", device, train=True)
+    calls = _count_calls(monkeypatch)
     grads = []
     for model in (merged, alone):
         x = torch.randn(1, 256, generator=torch.Generator().manual_seed(3)).to(device).requires_grad_()
         model(x).square().sum().backward()
         grads.append((x.grad, model.q_proj.bias.grad, model.v_proj.bias.grad))
+        k = model.k_proj(x)
+        loss = k.square().sum()
+        model.q_proj(x).mul_(0.125)  # an in-place write to a sibling's output
+        loss.backward()
+    assert calls == []
     for got, want in zip(*grads):
         assert _rel(got, want) <= 1e-4
+    with torch.no_grad():  # no gradient recorded: merged again
+        merged(torch.randn(1, 256, device=device))
+    assert calls == [256 + 64 + 64, 160 + 160]
 
 
 def test_save_load_and_copies_keep_the_groups(tmp_path, device):
@@ -177,6 +197,10 @@ def test_save_load_and_copies_keep_the_groups(tmp_path, device):
     assert quant.merged_groups(loaded) == quant.merged_groups(merged)
     again = quant.load(quant.quantize(Layer().to(device), "nvfp4"), path)  # into a model quantised and merged
     assert quant.merged_groups(again) == quant.merged_groups(merged) and torch.equal(again(x), want)
+    other = quant.quantize(Layer().to(device), "nvfp4", merge=[("k_proj", "v_proj")])
+    quant.load(other, path)  # merged otherwise: its own groups stay
+    assert quant.merged_groups(other) == [("k_proj", "v_proj"), ("gate_proj", "up_proj")]  # gate/up: the file's
+    assert _rel(other.k_proj(x), merged.k_proj(x)) <= TOLERANCE[torch.float32]
     saved = io.BytesIO()
     torch.save(merged, saved)
     saved.seek(0)
@@ -220,7 +244,7 @@ def test_bad_merge_requests_are_errors_naming_what_is_allowed():
 
 
 def test_a_compiled_model_calls_the_custom_op_per_layer_with_no_graph_break(device):
-    merged, alone = _pair("int8", device)
+    merged, alone = _pair("int8", device, train=True)
     x = torch.randn(1, 256, device=device)
     if device.type != "npu":  # the simulated NPU's tensors are a Python subclass, which dynamo does not trace
         explained = torch._dynamo.explain(merged)(x)
@@ -279,7 +303,41 @@ def test_merged_layers_under_inference_mode(device, monkeypatch):
         assert merged.q_proj._group.shared and merged.q_proj._group._pending is None
         torch.manual_seed(0)
         inside = quant.quantize(Layer().to(device), "int4")
-        assert inside.q_proj.qweight.is_inference() and quant.merged_groups(inside)
+        # the codes are normal tensors, so that in-place updates to them are counted
+        assert not inside.q_proj.qweight.is_inference() and quant.merged_groups(inside)
         calls.clear()
         assert _rel(inside(x), alone(x)) <= TOLERANCE[torch.float32]
         assert calls == [256 + 64 + 64, 160 + 160]
+
+
+@torch.no_grad()
+def test_copies_offloaded_biases_and_deleted_models(device, monkeypatch):
+    merged, alone = _pair("int8", device)
+    calls = _count_calls(monkeypatch)
+    x = torch.randn(1, 256, device=device)
+    # a shallow copy of a layer (nn.DataParallel's replicas) shares the group but is not one of its members
+    replica = copy.copy(merged.k_proj)
+    assert replica._group is merged.k_proj._group and torch.equal(replica(x), alone.k_proj(x))
+    assert calls == []
+    # a bias left on the meta device by an offloading hook until its layer's own call: that call runs on its own
+    bias = merged.v_proj.bias
+    merged.v_proj.bias = nn.Parameter(torch.empty_like(bias, device="meta"))
+    assert _rel(merged.q_proj(x), alone.q_proj(x)) <= TOLERANCE[torch.float32] and calls == []
+    merged.v_proj.bias = bias
+    # a bias changed in place is seen by the next merged call (no copy of it is kept)
+    merged.k_proj.bias.add_(1.0)
+    alone.k_proj.bias.add_(1.0)
+    assert _rel(merged(x), alone(x)) <= TOLERANCE[torch.float32] and len(calls) == 2
+    # moving the layers lets go of the merged tensors at once
+    assert merged.q_proj._group._merged
+    merged.to(torch.float64)
+    assert not merged.q_proj._group._merged
+    # the layers and their group form no reference cycle: a deleted model is freed at once
+    layer = weakref.ref(merged.q_proj)
+    group = weakref.ref(merged.q_proj._group)
+    gc.disable()
+    try:
+        del merged, replica, bias
+        assert layer() is None and group() is None
+    finally:
+        gc.enable()

@@ -60,11 +60,11 @@ def _triton(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int
     return lowbit.matmul(x, dict(t), fmt, group, bias)
 
 
-def tensor_version(t: torch.Tensor) -> int | None:
-    """``t._version``, which counts in-place writes, or None for an inference tensor (made under
-    ``torch.inference_mode``, which keeps no count): a cache keyed on it is then kept across in-place writes made
-    inside inference mode."""
-    return None if t.is_inference() else t._version
+def tensor_version(t: torch.Tensor) -> object:
+    """What a cache derived from ``t`` is keyed on: ``t._version``, which counts in-place writes; for an inference
+    tensor (made under ``torch.inference_mode``), which keeps no count, a new object each time, so that nothing is
+    reused that an unseen in-place write could have made stale."""
+    return object() if t.is_inference() else t._version
 
 
 def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,

@@ -154,6 +154,14 @@ def quantize(model: nn.Module, format: str, *, group_size: int | None = None, mo
     Example:
         >>> torchport.quantize(model, "fp4", modules=lambda name, m: "lm_head" not in name)
     """
+    # the codes are made as normal tensors even inside torch.inference_mode: their in-place updates (a state-dict
+    # load) are then counted, which the caches derived from them rely on
+    with torch.inference_mode(False):
+        return _quantize(model, format, group_size, modules, merge)
+
+
+def _quantize(model: nn.Module, format: str, group_size: int | None, modules: Selector,
+              merge: bool | Iterable[Sequence[str]]) -> nn.Module:
     fmt = get_format(format)
     if quantized_modules(model):
         raise QuantizationError(
@@ -258,6 +266,11 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
     Example:
         >>> model = load(LlamaForCausalLM(config), "model-int4.safetensors", device="cuda")
     """
+    with torch.inference_mode(False):  # the codes as normal tensors, as quantize makes them
+        return _load(model, path, device)
+
+
+def _load(model: nn.Module, path: str | os.PathLike[str], device: torch.device | str | None) -> nn.Module:
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -306,8 +319,11 @@ def load(model: nn.Module, path: str | os.PathLike[str], *, device: torch.device
                                 f"unexpected {unexpected[:8]}")
     model.load_state_dict(tensors, strict=False)
     for names in info.get("merged", []):
-        groups = {id(getattr(model.get_submodule(n), "_group", None)) for n in names}
-        if len(groups) == 1 and getattr(model.get_submodule(names[0]), "_group", None) is not None:
-            continue  # a model quantised and merged already, loaded into
+        merged = [n for n in names if getattr(model.get_submodule(n), "_group", None) is not None]
+        if merged:  # a model quantised and merged already, loaded into: its own groups stay
+            if len(merged) < len(names) or len({id(model.get_submodule(n)._group) for n in names}) > 1:
+                logger.info("torchport.quant.load: %s were merged in the file; the model merges them otherwise, "
+                            "which stays", tuple(names))
+            continue
         merge_layers(model, names)
     return model

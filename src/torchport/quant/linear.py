@@ -147,6 +147,8 @@ class QuantizedLinear(nn.Module):
         if probe.is_floating_point():
             self.dtype = probe.dtype
         self._cache.clear()
+        if self._group is not None:  # let go of the merged tensors on the old device now, not at the next call
+            self._group._reset()
         return self
 
     def extra_repr(self) -> str:

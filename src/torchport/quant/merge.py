@@ -15,7 +15,11 @@ call whose other outputs were never taken, shows that the siblings do not share 
 merging and every layer runs on its own. Several rows (prefill, batched decode) run each layer on its own: merged
 outputs would be column slices of a wider matrix, not contiguous tensors, and at those sizes the kernels are long
 enough. Inside ``torch.compile`` the layers run on their own too, each one ``torch.ops.torchport.lowbit_matmul``
-call in the graph (the group's bookkeeping is Python state).
+call in the graph (the group's bookkeeping is Python state). So do calls where autograd records (the input or a
+bias requires a gradient): outputs that are views of one tensor share one version counter, and an in-place write
+to one would fail the backward of another. A layer whose bias or codes are not on the input's device for the
+moment (an offloading hook) and a shallow copy of a layer (``nn.DataParallel``'s replicas) run on their own as
+well. The group holds its layers by weak reference, so a deleted model is freed at once.
 
 Under ``torch.inference_mode`` tensors keep no version count, so an in-place write to the shared input between two
 sibling calls cannot be seen: the second sibling would get its slice of the output computed before the write. Model
@@ -31,6 +35,7 @@ Example:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -118,19 +123,29 @@ class SiblingGroup:
     """
 
     def __init__(self, members: Sequence[QuantizedLinear], names: Sequence[str] = ()) -> None:
-        self.members = list(members)
+        # weak references: the layers hold the group, and a cycle back to them would keep a deleted model's memory
+        # until Python's cycle collector runs
+        self._members = [weakref.ref(m) for m in members]
         self.names = tuple(names)
         self.shared = True
         self._reset()
         self.tensors()  # joins the layers' storage (a copy only where it is not one tensor already)
-        for m in self.members:
+        for m in members:
             m._group = self
+
+    @property
+    def members(self) -> list[QuantizedLinear]:
+        """The layers, in output order (a layer that no longer exists leaves the group unusable: ``shared`` off)."""
+        layers = [ref() for ref in self._members]
+        if any(m is None for m in layers):
+            self.shared = False
+            return [m for m in layers if m is not None]
+        return layers  # type: ignore[return-value]
 
     def _reset(self) -> None:
         self._key: tuple = ()
         self._merged: dict[str, torch.Tensor] = {}
         self._cache: dict[str, Any] = {}  # lowbit_linear's layouts derived once per weight (torch_npu)
-        self._bias: tuple[tuple, torch.Tensor | None] = ((), None)
         self._pending: tuple | None = None  # (x, its version, merged output, indices still to take their slice)
         self._fit: dict[tuple, bool] = {}  # (device, dtype) -> whether the fused kernel takes the merged weight
 
@@ -138,7 +153,8 @@ class SiblingGroup:
         return {"members": self.members, "names": self.names, "shared": self.shared}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state)
+        self._members = [weakref.ref(m) for m in state["members"]]
+        self.names, self.shared = state["names"], state["shared"]
         self._reset()
 
     @property
@@ -181,28 +197,35 @@ class SiblingGroup:
         self._key = tuple((t.data_ptr(), tensor_version(t)) for m in self.members for t in m.tensors().values())
         return merged
 
-    def bias(self) -> torch.Tensor | None:
-        if self.members[0].bias is None:
-            return None
+    def bias(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+        """``(usable, merged bias)``: the layers' biases concatenated in each call (one small kernel), so that a
+        captured CUDA graph reads them as they are when it replays. Not usable while a bias is elsewhere than
+        ``device`` (an offloading hook leaves it on the meta device until that layer's own call)."""
         biases = [m.bias for m in self.members]
-        if torch.is_grad_enabled() and any(b.requires_grad for b in biases):
-            return torch.cat(biases)  # gradients flow back to each layer's bias
-        # no gradient is recorded here; a copy made under inference mode serves inference mode only
-        key = (torch.is_inference_mode_enabled(), *((b.data_ptr(), tensor_version(b), b.dtype) for b in biases))
-        if self._bias[0] != key:
-            with torch.no_grad():
-                self._bias = (key, torch.cat(biases))
-        return self._bias[1]
+        if biases[0] is None:
+            return True, None
+        if any(b is None or b.device != device for b in biases):
+            return False, None
+        return True, torch.cat(biases)
 
     def output(self, member: QuantizedLinear, x: torch.Tensor) -> torch.Tensor | None:
         """``member(x)`` from the merged call, or None when ``member`` should run on its own."""
         if not self.shared or torch.compiler.is_compiling():
             return None
-        index = next(i for i, m in enumerate(self.members) if m is member)
+        members = self.members
+        # a shallow copy of a layer (nn.DataParallel's replicas) shares the group without being one of its members
+        index = next((i for i, m in enumerate(members) if m is member), None)
+        if index is None:
+            return None
+        if torch.is_grad_enabled() and (x.requires_grad or any(m.bias is not None and m.bias.requires_grad
+                                                              for m in members)):
+            # training: the siblings' outputs as views of one tensor would share one version counter, so an
+            # in-place write to one would fail the backward of another
+            return None
         pending = self._pending
         if pending is not None:
             px, version, out, waiting = pending
-            if index in waiting and px is x and version == tensor_version(x):
+            if index in waiting and px is x and version == _input_version(x):
                 waiting.discard(index)
                 if not waiting:
                     self._pending = None
@@ -215,10 +238,13 @@ class SiblingGroup:
         merged = self.tensors()
         if merged is None or not self.shared or not self._fits(x, merged):
             return None
-        first = self.members[0]
-        out = lowbit_linear(x, merged, first.format, first.group_size, self.bias(),
-                            dequantize=first.format_spec.dequantize, cache=self._cache)
-        self._pending = (x, tensor_version(x), out, set(range(len(self.members))) - {index})
+        usable, bias = self.bias(x.device)
+        if not usable:
+            return None
+        first = members[0]
+        out = lowbit_linear(x, merged, first.format, first.group_size, bias, dequantize=first.format_spec.dequantize,
+                            cache=self._cache)
+        self._pending = (x, _input_version(x), out, set(range(len(members))) - {index})
         return self._slice(out, index)
 
     def _fits(self, x: torch.Tensor, merged: dict[str, torch.Tensor]) -> bool:
@@ -239,6 +265,12 @@ class SiblingGroup:
     def _slice(self, out: torch.Tensor, index: int) -> torch.Tensor:
         start = sum(m.out_features for m in self.members[:index])
         return out[..., start:start + self.members[index].out_features]
+
+
+def _input_version(x: torch.Tensor) -> int | None:
+    """The input's count of in-place writes; None for an inference tensor, which keeps none (see the module's
+    docstring)."""
+    return None if x.is_inference() else x._version
 
 
 def _joined(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
