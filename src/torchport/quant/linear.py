@@ -104,10 +104,7 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self._dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not self.cache_dequantized:
             self._cache.pop("dense", None)
-        # traced by torch.compile, the graph calls the custom op, which looks the decoder up itself
-        dequantize = None if torch.compiler.is_dynamo_compiling() else self.format_spec.dequantize
-        return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias, dequantize=dequantize,
-                             cache=self._cache)
+        return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias, cache=self._cache)
 
     def _dense(self, dtype: torch.dtype) -> torch.Tensor:
         """The dequantised weight in ``dtype``, made once per storage, version and dtype of the codes and scales

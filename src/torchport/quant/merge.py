@@ -43,7 +43,7 @@ import torch
 from torch import nn
 
 from ..kernels.lowbit_matmul import fused_refusal, lowbit_linear, tensor_version
-from .formats import QuantizationError
+from .formats import QuantizationError, get_format
 from .linear import QuantizedLinear
 
 __all__ = ["SIBLINGS", "SiblingGroup", "merge_layers", "merge_siblings", "merged_groups", "quantize_together",
@@ -56,7 +56,8 @@ logger = logging.getLogger("torchport")
 #: experts (``wq``..., ``w1``/``w3``).
 SIBLINGS: tuple[tuple[str, ...], ...] = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"),
                                          ("query", "key", "value"), ("wq", "wk", "wv"), ("w1", "w3"))
-_ROWS = ("qweight", "scale", "offset")  # tensors with one row per output feature; global_scale is per layer
+_ROWS = ("qweight", "scale", "offset")  # tensors with one row per output feature
+_PER_LAYER = ("global_scale",)  # one value per layer (nvfp4), which merged layers must share
 
 
 def _as_sets(siblings: bool | Iterable[Sequence[str]] | None) -> tuple[tuple[str, ...], ...]:
@@ -111,8 +112,9 @@ def mergeable(layers: Sequence[nn.Module]) -> str | None:
     if len(keys) > 1:
         return (f"they differ in input features, format, group size, dtype, device or bias "
                 f"({sorted(str(k) for k in keys)})")
-    if first.format == "nvfp4" and len({float(m.global_scale) for m in layers}) > 1:
-        return "their nvfp4 global scales differ (quantise them together: torchport.quantize(..., merge=True))"
+    for name in _PER_LAYER:  # one value for the whole layer: the merged weight has one for all
+        if hasattr(first, name) and len({float(getattr(m, name)) for m in layers}) > 1:
+            return f"their {name} values differ (quantise them together: torchport.quantize(..., merge=True))"
     return None
 
 
@@ -157,10 +159,6 @@ class SiblingGroup:
         self.names, self.shared = state["names"], state["shared"]
         self._reset()
 
-    @property
-    def out_features(self) -> list[int]:
-        return [m.out_features for m in self.members]
-
     def tensors(self) -> dict[str, torch.Tensor] | None:
         """The merged codes and scales; the layers' buffers are made views of them again if they were moved or
         replaced (``.to(device)`` moves each layer's slice on its own). None while the layers' codes are not all on
@@ -187,21 +185,22 @@ class SiblingGroup:
                     m._buffers[name] = base[start:start + p.shape[0]]
                     start += p.shape[0]
             merged[name] = base
-        if hasattr(first, "global_scale"):
+        if any(hasattr(first, name) for name in _PER_LAYER):
             reason = mergeable(self.members)
             if reason is not None:
                 logger.warning("torchport: layers %s no longer merge (%s); each runs on its own", self.names, reason)
                 self.shared = False
-            merged["global_scale"] = first.global_scale
+            merged.update((name, getattr(first, name)) for name in _PER_LAYER if hasattr(first, name))
         self._merged, self._cache = merged, {}
         self._key = tuple((t.data_ptr(), tensor_version(t)) for m in self.members for t in m.tensors().values())
         return merged
 
-    def bias(self, device: torch.device) -> tuple[bool, torch.Tensor | None]:
+    @staticmethod
+    def _bias(members: Sequence[QuantizedLinear], device: torch.device) -> tuple[bool, torch.Tensor | None]:
         """``(usable, merged bias)``: the layers' biases concatenated in each call (one small kernel), so that a
         captured CUDA graph reads them as they are when it replays. Not usable while a bias is elsewhere than
         ``device`` (an offloading hook leaves it on the meta device until that layer's own call)."""
-        biases = [m.bias for m in self.members]
+        biases = [m.bias for m in members]
         if biases[0] is None:
             return True, None
         if any(b is None or b.device != device for b in biases):
@@ -229,7 +228,7 @@ class SiblingGroup:
                 waiting.discard(index)
                 if not waiting:
                     self._pending = None
-                return self._slice(out, index)
+                return _slice(out, members, index)
             # a layer that was owed a slice of the last merged call was called with another tensor, or never
             # came: these layers do not share one input
             logger.info("torchport: layers %s do not read one input; they run on their own from now on", self.names)
@@ -238,14 +237,12 @@ class SiblingGroup:
         merged = self.tensors()
         if merged is None or not self.shared or not self._fits(x, merged):
             return None
-        usable, bias = self.bias(x.device)
+        usable, bias = self._bias(members, x.device)
         if not usable:
             return None
-        first = members[0]
-        out = lowbit_linear(x, merged, first.format, first.group_size, bias, dequantize=first.format_spec.dequantize,
-                            cache=self._cache)
+        out = lowbit_linear(x, merged, members[0].format, members[0].group_size, bias, cache=self._cache)
         self._pending = (x, _input_version(x), out, set(range(len(members))) - {index})
-        return self._slice(out, index)
+        return _slice(out, members, index)
 
     def _fits(self, x: torch.Tensor, merged: dict[str, torch.Tensor]) -> bool:
         """Whether the device's fused kernel takes the merged weight wherever it takes each layer's own (per device
@@ -262,9 +259,11 @@ class SiblingGroup:
             self._fit[key] = fits
         return fits
 
-    def _slice(self, out: torch.Tensor, index: int) -> torch.Tensor:
-        start = sum(m.out_features for m in self.members[:index])
-        return out[..., start:start + self.members[index].out_features]
+
+def _slice(out: torch.Tensor, members: Sequence[QuantizedLinear], index: int) -> torch.Tensor:
+    """Layer ``index``'s columns of the merged output."""
+    start = sum(m.out_features for m in members[:index])
+    return out[..., start:start + members[index].out_features]
 
 
 def _input_version(x: torch.Tensor) -> int | None:
@@ -300,10 +299,9 @@ def quantize_together(linears: Sequence[nn.Linear], format: str, group_size: int
     one weight of all their rows, returned as one :class:`QuantizedLinear` each over row slices of it, joined in a
     :class:`SiblingGroup`. The codes equal those of quantising each alone, except nvfp4's: one global scale for all.
     """
+    fmt = get_format(format)
     weight = torch.cat([m.weight.detach() for m in linears])
-    first = QuantizedLinear(linears[0].in_features, weight.shape[0], format, group_size, bias=False,
-                            dtype=weight.dtype, device="meta")
-    tensors = first.format_spec.quantize(weight, first.group_size)
+    tensors = fmt.quantize(weight, fmt.group_size(group_size, weight.shape[1]))
     del weight
     layers, start = [], 0
     for linear in linears:
