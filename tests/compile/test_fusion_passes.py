@@ -309,7 +309,7 @@ def test_cross_entropy_replaced_in_causal_lm_loss(dtype, reduction):
     inputs = [_randn(2, 6, 40, dtype=dtype) * 3, _labels(2, 6, 40), torch.tensor(9)]
     _, after = check_rewrite("cross_entropy", loss, inputs, dtype, {"cross_entropy": 1})
     (fused,) = [n for n in after.graph.nodes if n.target is torch.ops.torchport.cross_entropy.default]
-    assert fused.args[2:] == (-100, 0.0, reduction)
+    assert fused.args[2:] == (-100, 0.0, reduction, 0.0, False)  # no host check of the targets in a compiled step
     assert F.cross_entropy not in targets(after)
     assert "float" not in targets(after)  # no float32 copy of the logits: the kernel upcasts inside
 
@@ -320,7 +320,7 @@ def test_cross_entropy_options_kept():
     _, after = check_rewrite("cross_entropy", fn, [_randn(7, 11), torch.arange(7) % 5], torch.float32,
                              {"cross_entropy": 1})
     (fused,) = [n for n in after.graph.nodes if n.target is torch.ops.torchport.cross_entropy.default]
-    assert fused.args[2:] == (3, 0.2, "none")
+    assert fused.args[2:] == (3, 0.2, "none", 0.0, False)
 
 
 @pytest.mark.parametrize("fn,inputs", [

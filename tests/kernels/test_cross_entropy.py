@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -309,3 +311,101 @@ def test_every_launch_against_float64(device, in_place):
                                        msg=lambda m: f"{case}, {name}: loss: {m}")
             torch.testing.assert_close(grad.double().cpu(), 0.5 * ref_x.grad, rtol=1e-5, atol=1e-6,
                                        msg=lambda m: f"{case}, {name}: gradient: {m}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_each_implementation_makes_a_bad_target_nan_without_reading_past_the_row(reduction, device, impl):
+    """Where no host read checks the targets (a compiled or captured graph), each implementation checks them itself:
+    a target below 0 or at least V (and not ignore_index) gives its row a NaN loss and no gradient; the other rows
+    keep the loss and gradient they have when the bad rows are ignored. Widths on both sides of the Triton kernel's
+    whole-row limit (4096 columns) and every launch kind of its chunked kernel."""
+    for v in (300, 5000):
+        x64, t = make(6, v, ignored="some")
+        bad = t.clone()
+        bad[1], bad[2], bad[4] = -1, v, v + 10**6  # rows 0 and 3 are ignored (make: every third)
+        ignored = t.clone()
+        ignored[[1, 2, 4]] = IGNORE
+        ref_x = x64.clone().requires_grad_()
+        ref = expected(ref_x, ignored, 0.0, 0.0, reduction)
+        ref.sum().backward()
+        x = x64.float().to(device).requires_grad_()
+        out = call("cross_entropy", impl, x, bad.to(device), IGNORE, 0.0, reduction, 0.0, False, None)
+        if reduction == "none":
+            assert torch.isnan(out[[1, 2, 4]]).all() and torch.isfinite(out[[0, 3, 5]]).all()
+            check_close("good rows", out[[0, 3, 5]], ref[[0, 3, 5]].detach(), torch.float32)
+            out.nan_to_num(0.0).sum().backward()
+        else:
+            assert torch.isnan(out), f"{impl}, {reduction}: a bad target left the loss finite: {out}"
+            torch.autograd.backward(out, torch.ones_like(out))
+        assert (x.grad[[1, 2, 4]] == 0).all(), f"{impl}: a row with a bad target got a gradient"
+        check_close("dlogits", x.grad, ref_x.grad, torch.float32)
+
+
+def test_triton_launches_make_a_bad_target_nan(device):
+    if not _triton_runs(device):
+        pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
+    from torchport.kernels.triton import cross_entropy as kernel
+
+    x64, t = make(6, 5000, ignored="some")
+    t[1], t[2] = -7, 5000
+    scale = torch.full((1,), 0.5, device=device)
+    for name, launch in _launches().items():
+        logits = x64.float().to(device)
+        grad = torch.full_like(logits, 3.0)
+        out = kernel.loss_and_grad(logits, t.to(device), IGNORE, 0.0, 0.0, scale, grad, launch).cpu()
+        assert torch.isnan(out[[1, 2]]).all() and (out[[0, 3]] == 0).all() and torch.isfinite(out).sum() == 4, name
+        assert (grad[[0, 1, 2, 3]] == 0).all() and (grad[[4, 5]] != 0).any(), name
+
+
+def test_the_triton_count_and_sum_match_torch(device):
+    if not _triton_runs(device):
+        pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
+    from torchport.kernels.triton import cross_entropy as kernel
+
+    gen = torch.Generator().manual_seed(3)
+    for n in (1, 1023, 2500, 9000):  # one step for the first three; two steps of 8192 for the last
+        t = torch.randint(-3, 60, (n,), generator=gen)
+        t[::7] = IGNORE
+        classes = ((t >= 0) & (t < 50)).sum().clamp_min(1)
+        scale = kernel.mean_scale(t.to(device), IGNORE, 50)
+        assert scale.shape == (1,) and scale.dtype == torch.float32
+        torch.testing.assert_close(scale.cpu(), (1.0 / classes.float()).reshape(1))
+        rows = torch.randn(n, generator=gen).to(device)
+        for factor, dtype in ((scale, torch.bfloat16), (0.25, torch.float32), (1.0, torch.float16)):
+            got = kernel.reduce_rows(rows, factor, dtype)
+            want = rows.double().sum() * (factor.double() if isinstance(factor, torch.Tensor) else factor)
+            assert got.shape == () and got.dtype == dtype
+            tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]  # one rounding to dtype
+            torch.testing.assert_close(got.double().cpu(), want.reshape(()).cpu(), rtol=tol, atol=1e-5)
+    assert kernel.mean_scale(torch.full((5,), IGNORE, device=device), IGNORE, 50).item() == 1.0  # no class: 1/1
+    with_nan = torch.tensor([1.0, float("nan"), 2.0], device=device)
+    assert torch.isnan(kernel.reduce_rows(with_nan, 1.0, torch.float32))
+
+
+def test_the_compiled_graphs_op_reads_no_target_on_the_host(monkeypatch):
+    """The graph torch.compile makes of cross_entropy calls torch.ops.torchport.cross_entropy with check=False: no
+    target is read on the host (no synchronisation per step); a bad target's row is NaN and the mean counts only the
+    rows with a class. Called eagerly with the default check=True, the op gives the clear error (test_kernel_library).
+    """
+    module = importlib.import_module("torchport.kernels.cross_entropy")  # the package exports a function of that name
+
+    def no_host_check(*args, **kwargs):
+        raise AssertionError("the custom op checked the targets on the host")
+
+    monkeypatch.setattr(module, "check_targets", no_host_check)
+    op = registry.custom_op("cross_entropy")
+    x64, t = make(5, 40, ignored="none")
+    t[2] = 40
+    x = x64.float().requires_grad_()
+    rows = op(x, t, IGNORE, 0.0, "none", 0.0, False)
+    assert torch.isnan(rows[2]) and torch.isfinite(rows[[0, 1, 3, 4]]).all()
+    good = torch.tensor([0, 1, 3, 4])
+    loss = op(x, t, IGNORE, 0.0, "mean", 0.0, False)
+    assert torch.isnan(loss)
+    loss.backward()
+    ref_x = x64.clone().requires_grad_()
+    F.cross_entropy(ref_x[good], t[good]).backward()
+    assert (x.grad[2] == 0).all()
+    torch.testing.assert_close(x.grad[good].double(), ref_x.grad[good], rtol=1e-4, atol=1e-6)
+    with pytest.raises(AssertionError, match="checked the targets on the host"):
+        op(x, t, IGNORE, 0.0, "mean")  # the default: checked (the monkeypatched check raises)

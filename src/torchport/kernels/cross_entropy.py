@@ -32,10 +32,12 @@ only correct when nothing reads the logits after the loss, e.g. logits that come
 (the matmul's backward needs its inputs, not its output). An autograd node that saved the logits (a softcap's
 tanh) then fails loudly; plain Python reads of the logits see the gradient.
 
-The targets are checked before any kernel reads them (:func:`check_targets`): called eagerly, a target outside
-``[0, V)`` that is not ``ignore_index`` is a ``ValueError`` that names the allowed range (one host read of a flag).
-Inside a compiled graph or a captured CUDA graph, where nothing may read the device on the host, such a row is
-ignored by the kernels and its loss is NaN (the reduced loss too), never a finite number.
+Called eagerly, a target outside ``[0, V)`` that is not ``ignore_index`` is a ``ValueError`` that names the
+allowed range (:func:`check_targets`, one host read of a flag), before any kernel runs. Inside a compiled graph or
+a captured CUDA graph, where nothing may read the device on the host, every implementation checks the targets
+itself: such a row gets no gradient and a NaN loss (the reduced loss too), never a finite number, and nothing
+outside the logits is read. The Triton path then runs four kernels for a forward and backward (the mean's row count,
+the loss and gradient, the sum, the backward's scale), with no separate check.
 
 Example:
     >>> loss = torchport.kernels.cross_entropy(logits.view(-1, vocab), labels.view(-1), ignore_index=-100)
@@ -69,8 +71,11 @@ def _reduce(rows: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: torc
 
 def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
              z_loss: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(per-row loss, lse, non-ignored mask, safe target) for ``[N, V]`` logits already in float32 or float64."""
-    valid = target != ignore_index
+    """(per-row loss, lse, mask of rows with a class target, safe target) for ``[N, V]`` logits already in float32 or
+    float64. A target that is neither ``ignore_index`` nor a class in ``[0, V)`` (possible only where no host read
+    checked it: :func:`cross_entropy`) gives its row a NaN loss and no gradient."""
+    kept = target != ignore_index
+    valid = kept & (target >= 0) & (target < x.shape[-1])
     safe = torch.where(valid, target, torch.zeros_like(target))
     lse = torch.logsumexp(x, dim=-1)
     x_t = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -79,7 +84,7 @@ def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smo
         loss = (1.0 - label_smoothing) * loss + label_smoothing * (lse - x.mean(-1))
     if z_loss:
         loss = loss + z_loss * lse * lse
-    return torch.where(valid, loss, torch.zeros_like(loss)), lse, valid, safe
+    return torch.where(valid, loss, torch.where(kept, torch.full_like(loss, float("nan")), 0.0)), lse, valid, safe
 
 
 def per_row_losses(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -136,11 +141,14 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
         raise registry.Unsupported("torch_npu.npu_cross_entropy_loss takes no label_smoothing when the logits "
                                    "require grad")
     op = registry.fused_op("npu_cross_entropy_loss", logits.device)
-    # Targets must lie in [0, C): ignored rows get class 0 and are masked out of the loss (and so the gradient).
-    valid = target != ignore_index
+    # Targets must lie in [0, C): ignored rows get class 0 and are masked out of the loss (and so the gradient); a
+    # target outside the classes (unchecked only in a compiled or captured graph) makes its row NaN.
+    kept = target != ignore_index
+    valid = kept & (target >= 0) & (target < logits.shape[-1])
     safe = torch.where(valid, target, torch.zeros_like(target)).long()
     rows = op(logits, safe, None, "none", -1, float(label_smoothing))[0]
-    rows = torch.where(valid, rows.float(), torch.zeros((), dtype=torch.float32, device=rows.device))
+    nan = torch.full((), float("nan"), dtype=torch.float32, device=rows.device)
+    rows = torch.where(valid, rows.float(), torch.where(kept, nan, torch.zeros_like(nan)))
     return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
 
@@ -235,15 +243,25 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
-    flat, bad = check_targets(op, flat, vocab, ignore_index)
+    if not capturing(flat.device):
+        check_targets(op, flat, vocab, ignore_index)  # a bad target is a ValueError here (one host read)
+    # where no host read is possible, every implementation gives a row with a bad target a NaN loss itself
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
-        loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss))
+        loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss),
+                                      False)
         loss = loss.to(loss_dtype or logits.dtype)
     else:
-        loss = registry.call(op, logits.device, rows, flat, int(ignore_index), float(label_smoothing), reduction,
-                             float(z_loss), bool(in_place), None, loss_dtype)
-    loss = mark_bad_targets(loss, bad, reduction)
+        loss = _rows_or_total(rows, flat, ignore_index, label_smoothing, reduction, z_loss, in_place, loss_dtype)
     return loss.view(target.shape) if reduction == "none" else loss
+
+
+def _rows_or_total(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                   reduction: str, z_loss: float, in_place: bool = False,
+                   loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The chosen implementation on checked ``[N, V]`` logits and ``[N]`` int64 targets, with no host read: a target
+    outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss NaN."""
+    return registry.call("cross_entropy", rows.device, rows, target, int(ignore_index), float(label_smoothing),
+                         reduction, float(z_loss), bool(in_place), None, loss_dtype)
 
 
 class CrossEntropyLoss(nn.Module):
@@ -287,28 +305,39 @@ def loss_dtype_of(x: torch.Tensor) -> torch.dtype:
 
 
 def _op_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-                reduction: str, z_loss: float = 0.0) -> torch.Tensor:
-    """Per-row losses in the logits' dtype, summed in float32: one rounding per row, none of the sum."""
+                reduction: str, z_loss: float = 0.0, check: bool = True) -> torch.Tensor:
+    """Per-row losses in the logits' dtype, summed in float32: one rounding per row, none of the sum.
+
+    ``check``: a bad target is a ValueError (one host read), as for :func:`cross_entropy` called eagerly. The graph
+    that torch.compile makes of :func:`cross_entropy` passes False, so that its steps read nothing on the host: a
+    bad target's row is then NaN."""
     check_reduction("cross_entropy", reduction)
-    rows = cross_entropy(logits, target, ignore_index, label_smoothing, "none", z_loss=z_loss).to(
+    if check and not capturing(target.device):
+        check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
+    rows = _rows_or_total(logits, target.long(), ignore_index, label_smoothing, "none", z_loss).to(
         loss_dtype_of(logits))
     if reduction == "none":
         return rows
     total = rows.sum()
     if reduction == "mean":
-        total = total / (target != ignore_index).sum().clamp_min(1)
+        total = total / _classes(target, ignore_index, logits.shape[-1]).sum().clamp_min(1)
     return total
 
 
+def _classes(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
+    """Which targets are classes in ``[0, vocab)`` (the rows a mean counts)."""
+    return (target != ignore_index) & (target >= 0) & (target < vocab)
+
+
 def _op_fake(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
-             reduction: str, z_loss: float = 0.0) -> torch.Tensor:
+             reduction: str, z_loss: float = 0.0, check: bool = True) -> torch.Tensor:
     check_reduction("cross_entropy", reduction)
     return logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(logits))
 
 
 def _op_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], logits: torch.Tensor,
                  target: torch.Tensor, ignore_index: int, label_smoothing: float, reduction: str,
-                 z_loss: float = 0.0) -> tuple[torch.Tensor | None, None]:
+                 z_loss: float = 0.0, check: bool = True) -> tuple[torch.Tensor | None, None]:
     """The summed loss differentiated with an upstream gradient of exactly 1, the result scaled in float32 after
     (by the upstream gradient, divided by the kept rows for a mean): a bfloat16 kernel never sees a rounded
     1/num_items."""
@@ -316,12 +345,12 @@ def _op_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool, ...], logit
         return None, None
     (grad,) = grads
     ones = torch.ones((), dtype=logits.dtype, device=logits.device)
-    (dlogits,) = vjp(lambda x: cross_entropy(x, target, ignore_index, label_smoothing, "sum", z_loss=z_loss),
+    (dlogits,) = vjp(lambda x: _rows_or_total(x, target.long(), ignore_index, label_smoothing, "sum", z_loss),
                      (logits,), (ones,))
     if reduction == "none":
         scale = grad.unsqueeze(-1)
     elif reduction == "mean":
-        scale = grad / (target != ignore_index).sum().clamp_min(1)
+        scale = grad / _classes(target, ignore_index, logits.shape[-1]).sum().clamp_min(1)
     else:
         scale = grad
     return dlogits.mul_(scale), None  # in float32 (opmath), rounded once to the logits' dtype
@@ -341,7 +370,7 @@ SPEC = registry.register_op(OpSpec(
     # gradient in the forward, reading each row a second time (from L2 when it fits)
     bytes_moved=lambda logits, target: 2 * logits.numel() * logits.element_size(),
     custom_op=CustomOp("(Tensor logits, Tensor target, int ignore_index, float label_smoothing, str reduction, "
-                       "float z_loss=0.0) -> Tensor", like=None, fake=_op_fake, forward=_op_forward,
+                       "float z_loss=0.0, bool check=True) -> Tensor", like=None, fake=_op_fake, forward=_op_forward,
                        backward=_op_backward),
     in_place=True,
 ))

@@ -116,14 +116,16 @@ def cross_entropy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
 
         logits = logits.float().view(-1, vocab)        # the upcast, when it feeds only the loss, is dropped
         loss = F.cross_entropy(logits, labels, ignore_index=-100, reduction="sum")    # or "mean"
-        ->  loss = torch.ops.torchport.cross_entropy(logits.reshape(-1, vocab), labels, -100, 0.0, "sum")
+        ->  loss = torch.ops.torchport.cross_entropy(logits.reshape(-1, vocab), labels, -100, 0.0, "sum", 0.0,
+                                                     False)
 
     The op computes in float32 and returns a float32 loss (cast to the original loss's dtype where that differs),
     so dropping the upcast keeps the float32 result without a float32 copy of the logits. Any ``ignore_index``,
     ``label_smoothing`` and reduction ``mean``/``sum``/``none`` are kept. Rewritten only for 2-D floating logits
     with 1-D integer targets; class weights, probability targets, the legacy ``size_average``/``reduce`` flags and
-    ``[N, C, d...]`` inputs stay. One difference: a mean over targets that are all ``ignore_index`` is 0, where
-    PyTorch gives NaN.
+    ``[N, C, d...]`` inputs stay. Two differences: a mean over targets that are all ``ignore_index`` is 0, where
+    PyTorch gives NaN; a target outside the classes makes the loss NaN (the op reads nothing on the host), where
+    PyTorch's kernel fails a device-side assertion.
     """
     graph = gm.graph
     count = 0
@@ -141,8 +143,9 @@ def cross_entropy(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
             continue
         source, sizes = _without_upcast(logits)
         loss_dtype = torch.float64 if lv.dtype == torch.float64 else torch.float32  # what the op returns
+        # z-loss 0, and no target check on the host (none in a compiled step): a bad target's loss is NaN
         fused = functools.partial(_fused, options=(args["ignore_index"], float(args["label_smoothing"]),
-                                                   args["reduction"]),
+                                                   args["reduction"], 0.0, False),
                                   reshape=sizes is not None, cast=out.dtype if out.dtype != loss_dtype else None)
         samplers = {1: functools.partial(_sample_targets, classes=lv.shape[-1], ignore_index=args["ignore_index"])}
         if replace(gm, [node], (source, target, *(sizes or ())), fused, what="cross-entropy loss",
