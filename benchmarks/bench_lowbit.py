@@ -117,23 +117,36 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
     return steps / seconds
 
 
-def measure_prefill(model: Llama, device: torch.device, tokens: int, runs: list[float] | None = None) -> float:
-    """Prefill tokens/s, median of 5 timed forwards after one untimed (which compiles and tunes); ``runs`` receives
-    each timed forward's milliseconds."""
+def measure_prefill(model: Llama, device: torch.device, tokens: int, runs: dict[str, list] | None = None) -> float:
+    """Prefill tokens/s, median of 5 timed forwards after one untimed (which compiles and tunes). ``runs`` receives,
+    per timed forward, its milliseconds (``prefill_runs_ms``), the milliseconds until the forward returned to Python
+    (``prefill_host_ms``: close to the first where the host, not the device, sets the pace) and, on CUDA, the device
+    allocations the caching allocator made during it (``prefill_device_allocs``: each one can stall the host)."""
     prompt = torch.randint(0, model.config["vocab"], (1, tokens), device=device)
-    times = []
+    times, host, allocs = [], [], []
     with torch.no_grad():
         for i in range(6):
             caches = _prefill_caches(model, device, tokens)
             _sync(device)
+            before = _device_allocs(device)
             began = time.perf_counter()
             model(prompt, torch.arange(tokens, device=device), caches, decode=False)
+            returned = time.perf_counter()
             _sync(device)
             if i:
                 times.append(time.perf_counter() - began)
+                host.append(returned - began)
+                allocs.append(_device_allocs(device) - before)
     if runs is not None:
-        runs.extend(round(t * 1e3, 2) for t in times)
+        runs["prefill_runs_ms"] = [round(t * 1e3, 2) for t in times]
+        runs["prefill_host_ms"] = [round(t * 1e3, 2) for t in host]
+        if device.type == "cuda":
+            runs["prefill_device_allocs"] = allocs
     return tokens / statistics.median(times)
+
+
+def _device_allocs(device: torch.device) -> int:
+    return torch.cuda.memory_stats(device).get("num_device_alloc", 0) if device.type == "cuda" else 0
 
 
 def _prefill_caches(model: Llama, device: torch.device, tokens: int) -> list:
@@ -302,8 +315,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["allocated_bytes"] = base_bytes if name == "bf16" else _allocated(device) - start
             row["linear_bytes"] = _linear_bytes(model)
             row.update(accuracy(logits_of(model, device, prompt), reference))
-            row["prefill_runs_ms"] = []
-            row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens, row["prefill_runs_ms"])
+            runs: dict[str, list] = {}
+            row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens, runs)
+            row.update(runs)
             row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
             if args.profile and device.type == "cuda":
                 row.update(kernel_profile(model, device, args.prefill_tokens, prompt[:, :64]))
@@ -351,13 +365,16 @@ def table(rows: list[dict[str, Any]]) -> str:
 def profile_table(rows: list[dict[str, Any]]) -> str:
     """Wall-clock against summed kernel time (``--profile``): a prefill or step whose wall time is far above its GPU
     time waits on the host, not on its kernels."""
-    head = f"{'contender':<26}{'prefill ms':>11}{'GPU ms':>9}{'step ms':>9}{'GPU ms':>9}  top prefill / decode kernel"
+    head = (f"{'contender':<26}{'prefill ms':>11}{'host ms':>9}{'allocs':>7}{'GPU ms':>9}{'step ms':>9}{'GPU ms':>9}"
+            "  top prefill / decode kernel")
     lines = [head, "-" * len(head)]
     for r in rows:
         if "prefill_gpu_ms" not in r:
             continue
         lines.append(
-            f"{r['contender']:<26}{statistics.median(r['prefill_runs_ms']):>11.1f}{r['prefill_gpu_ms']:>9.1f}"
+            f"{r['contender']:<26}{statistics.median(r['prefill_runs_ms']):>11.1f}"
+            f"{statistics.median(r['prefill_host_ms']):>9.1f}{sum(r.get('prefill_device_allocs', [0])):>7}"
+            f"{r['prefill_gpu_ms']:>9.1f}"
             f"{1e3 / r['decode_tok_s']:>9.2f}{r['decode_gpu_ms']:>9.2f}  {r['prefill_kernels'][0]['kernel'][:30]} / "
             f"{r['decode_kernels'][0]['kernel'][:30]}")
     return "\n".join(lines)
