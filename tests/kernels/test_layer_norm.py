@@ -109,3 +109,28 @@ def test_module_and_bad_input(device):
         torchport.kernels.layer_norm(x.int(), None, None)
     with pytest.raises(ValueError, match="at least one dimension"):
         torchport.kernels.layer_norm(torch.tensor(1.0, device=device), None, None)
+
+
+@pytest.mark.parametrize("programs,n", [(1, 300), (7, 1), (528, 256), (1500, 37), (132, 4097)])
+def test_weight_gradient_partial_sums_in_one_launch(programs, n, device):
+    """The backward's per-program partial sums of the weight and bias gradients, summed by one Triton launch into
+    the parameters' dtypes: against a float64 sum, for one program, more programs than one step takes (1500), and
+    widths that are not multiples of a block."""
+    import os
+
+    if not (device.type == "cuda" or (device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1")):
+        pytest.skip(f"the Triton kernels run on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
+    from torchport.kernels.triton import norm
+
+    gen = torch.Generator().manual_seed(programs)
+    dw, db = (torch.randn(programs, n, generator=gen) for _ in range(2))
+    for dtypes in ((torch.float32, torch.float32), (torch.bfloat16, torch.float16)):
+        got_w, got_b = norm._totals(dw.to(device), db.to(device), dtypes)
+        for got, parts, dtype in ((got_w, dw, dtypes[0]), (got_b, db, dtypes[1])):
+            assert got.shape == (n,) and got.dtype == dtype
+            tol = {torch.float32: 1e-5, torch.bfloat16: 8e-3, torch.float16: 1e-3}[dtype]
+            torch.testing.assert_close(got.double().cpu(), parts.double().sum(0), rtol=tol, atol=1e-4)
+    only_db = norm._totals(None, db.to(device), (torch.float32, torch.bfloat16))
+    assert only_db[0] is None and only_db[1].dtype == torch.bfloat16
+    torch.testing.assert_close(only_db[1].double().cpu(), db.double().sum(0), rtol=8e-3, atol=1e-4)
+    assert norm._totals(None, None, (torch.float32, torch.float32)) == (None, None)
