@@ -258,8 +258,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
 def _rows_or_total(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                    reduction: str, z_loss: float, in_place: bool = False,
                    loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The chosen implementation on checked ``[N, V]`` logits and ``[N]`` int64 targets, with no host read: a target
-    outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss NaN."""
+    """The chosen implementation on ``[N, V]`` logits and ``[N]`` int64 targets, with no host read: a target outside
+    ``[0, V)`` that is not ``ignore_index`` makes its row's loss NaN (the callers check eagerly where they can)."""
     return registry.call("cross_entropy", rows.device, rows, target, int(ignore_index), float(label_smoothing),
                          reduction, float(z_loss), bool(in_place), None, loss_dtype)
 
