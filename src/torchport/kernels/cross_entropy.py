@@ -75,7 +75,7 @@ def _per_row(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smo
     float64. A target that is neither ``ignore_index`` nor a class in ``[0, V)`` (possible only where no host read
     checked it: :func:`cross_entropy`) gives its row a NaN loss and no gradient."""
     kept = target != ignore_index
-    valid = kept & (target >= 0) & (target < x.shape[-1])
+    valid = _classes(target, ignore_index, x.shape[-1])
     safe = torch.where(valid, target, torch.zeros_like(target))
     lse = torch.logsumexp(x, dim=-1)
     x_t = x.gather(-1, safe.unsqueeze(-1)).squeeze(-1)
@@ -144,7 +144,7 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
     # Targets must lie in [0, C): ignored rows get class 0 and are masked out of the loss (and so the gradient); a
     # target outside the classes (unchecked only in a compiled or captured graph) makes its row NaN.
     kept = target != ignore_index
-    valid = kept & (target >= 0) & (target < logits.shape[-1])
+    valid = _classes(target, ignore_index, logits.shape[-1])
     safe = torch.where(valid, target, torch.zeros_like(target)).long()
     rows = op(logits, safe, None, "none", -1, float(label_smoothing))[0]
     nan = torch.full((), float("nan"), dtype=torch.float32, device=rows.device)

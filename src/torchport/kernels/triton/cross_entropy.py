@@ -46,6 +46,7 @@ import triton.language as tl
 
 from .. import registry
 from . import cdiv, multiprocessor_count, next_power_of_2
+from .launch import Kernel
 
 __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "mean_scale", "reduce_rows", "scale_rows"]
 
@@ -280,12 +281,15 @@ def _total_kernel(ROWS, N, SCALE, factor, OUT, SCALED: tl.constexpr, BLOCK: tl.c
     tl.store(OUT, total.to(OUT.dtype.element_ty))
 
 
+_COUNT, _TOTAL = Kernel(_count_kernel), Kernel(_total_kernel)
+
+
 def mean_scale(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
     """``1 / max(1, targets that are classes in [0, vocab))`` as a one-element float32 tensor on the targets' device,
     counted there by one small kernel (no host read, so a CUDA graph can hold it)."""
     scale = torch.empty(1, dtype=torch.float32, device=target.device)
     block, warps = _reduce_launch(target.numel())
-    _count_kernel[(1,)](target, target.numel(), vocab, int(ignore_index), scale, BLOCK=block, num_warps=warps)
+    _COUNT.launch((1,), target, target.numel(), vocab, int(ignore_index), scale, BLOCK=block, num_warps=warps)
     return scale
 
 
@@ -294,8 +298,8 @@ def reduce_rows(rows: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dt
     out = torch.empty((), dtype=dtype, device=rows.device)
     scaled = isinstance(scale, torch.Tensor)
     block, warps = _reduce_launch(rows.numel())
-    _total_kernel[(1,)](rows, rows.numel(), scale if scaled else rows, 1.0 if scaled else float(scale), out,
-                        SCALED=scaled, BLOCK=block, num_warps=warps)
+    _TOTAL.launch((1,), rows, rows.numel(), scale if scaled else rows, 1.0 if scaled else float(scale), out,
+                  SCALED=scaled, BLOCK=block, num_warps=warps)
     return out
 
 

@@ -272,8 +272,8 @@ def _backward(dy: torch.Tensor, rows: torch.Tensor, weight: torch.Tensor | None,
     else:
         dx = torch.empty(dy.shape, dtype=rows.dtype, device=rows.device)
     if m == 0 or n == 0:
-        zeros = torch.zeros(n, dtype=torch.float32, device=rows.device)
-        return dx, zeros if want_dw else None, zeros if want_db else None
+        return (dx, *(torch.zeros(n, dtype=d, device=rows.device) if want else None
+                      for want, d in zip((want_dw, want_db), dtypes)))
     device = rows.device
     tunable = _BACKWARD[stats.is_rms, not _wide_backward(n, stats.is_rms)]
     args = (rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
@@ -339,8 +339,7 @@ class _NormFunction(torch.autograd.Function):
             return dx, dw, db, None
         # A new view, never the incoming tensor itself: autograd then hands it on (or makes it a leaf's .grad)
         # without the copy it makes of a gradient that other references still hold.
-        return (dx.view(shape), None if dw is None else dw.to(weight.dtype),
-                None if db is None else db.to(bias.dtype), None)
+        return dx.view(shape), dw, db, None
 
 
 def _grad_dtypes(weight: torch.Tensor | None, bias: torch.Tensor | None) -> tuple[torch.dtype, torch.dtype]:
@@ -371,8 +370,7 @@ def backward(dy: torch.Tensor, x: torch.Tensor, weight: torch.Tensor | None, bia
     want_dw, want_db = want_dw and weight is not None, want_db and bias is not None
     dx, dw, db = _backward(dy, rows, weight, _Stats(is_rms, None, None, eps), offset, want_dw, want_db, False,
                            _grad_dtypes(weight, bias))
-    return (dx.view(x.shape), None if dw is None else dw.to(weight.dtype),  # type: ignore[union-attr]
-            None if db is None else db.to(bias.dtype))  # type: ignore[union-attr]
+    return dx.view(x.shape), dw, db
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float, in_place: bool,
