@@ -208,6 +208,9 @@ def measure(op: Op, name: str, fn: Callable, base_args, base_grads, ref, dev: De
                     mine.copy_(base)
 
         row["peak_mib"] = dev.peak_mib(step, leaves)
+        if row["peak_mib"] is not None:  # what the op holds beyond the gradients it must return
+            grad_bytes = sum(a.numel() * a.element_size() for a in leaves)
+            row["beyond_grads_mib"] = row["peak_mib"] - grad_bytes / 2**20
         row["overwrites_inputs"] = overwrites
         row["median_ms"] = dev.median_ms(step, leaves, restore if overwrites else None)
         if not overwrites:
@@ -309,14 +312,20 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="default: benchmarks/results/kernels.json (kernels_small.json)")
     parser.add_argument("--plot", default=None, help="default: benchmarks/results/kernels.png (kernels_small.png)")
     parser.add_argument("--flce-workspace-mib", type=float, default=None,
-                        help="the fused linear cross-entropy's least workspace in MiB (default: the module's, 48); "
-                             "for trying block sizes: more is larger matmuls and more memory")
+                        help="the fused linear cross-entropy's two passes' least workspace in MiB (default: the "
+                             "module's, 48); for trying block sizes: more is larger matmuls and more memory")
+    parser.add_argument("--flce-rows-mib", type=float, default=None,
+                        help="the fused linear cross-entropy's whole-row workspace in MiB (default: the module's, "
+                             "256); 0 runs the two passes always")
     args = parser.parse_args()
-    if args.flce_workspace_mib is not None:
-        import importlib
+    for value, name in ((args.flce_workspace_mib, "WORKSPACE_BYTES"), (args.flce_rows_mib, "ROWS_WORKSPACE_BYTES")):
+        if value is not None:
+            if not value >= 0:
+                parser.error(f"a workspace must be >= 0 MiB, got {value}")
+            import importlib
 
-        passes = importlib.import_module("torchport.kernels.linear_ce_passes")
-        passes.WORKSPACE_BYTES = int(args.flce_workspace_mib * 2**20)
+            passes = importlib.import_module("torchport.kernels.linear_ce_passes")
+            setattr(passes, name, int(value * 2**20))
 
     if args.sweep and args.ops == ",".join(OPS):
         args.ops = ",".join(SWEEP_OPS)

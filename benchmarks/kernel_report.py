@@ -30,12 +30,14 @@ def table_rows(result: dict) -> list[list[str]]:
             if "memory_target" in r:
                 target += f"; ≤{r['lowest_peer_mib']:.0f} MiB: {r['memory_target']}"
         out.append([r["label"], _fmt(r.get("median_ms"), ".3f"), _fmt(r.get("gpu_ms"), ".3f"), _fmt(r.get("gbps"), ".0f"),
-                    _fmt(r.get("pct_ceiling"), ".1f"), _fmt(r.get("peak_mib"), ".1f"), _fmt(r.get("rel_err"), ".1e"),
+                    _fmt(r.get("pct_ceiling"), ".1f"), _fmt(r.get("peak_mib"), ".1f"),
+                    _fmt(r.get("beyond_grads_mib"), ".1f"), _fmt(r.get("rel_err"), ".1e"),
                     r["status"], _fmt(r.get("speedup"), ".2f"), target])
     return out
 
 
-HEADERS = ["contender", "median ms", "GPU ms (graph)", "GB/s", "% ceiling", "peak MiB", "rel err", "status", "speedup", "target"]
+HEADERS = ["contender", "median ms", "GPU ms (graph)", "GB/s", "% ceiling", "peak MiB", "beyond grads MiB", "rel err",
+           "status", "speedup", "target"]
 
 
 def print_table(result: dict) -> None:
@@ -53,7 +55,7 @@ def print_table(result: dict) -> None:
         return
     table = Table(title=title, title_justify="left")
     for i, header in enumerate(HEADERS):
-        table.add_column(header, justify="right" if 0 < i < 6 or i == 7 else "left")
+        table.add_column(header, justify="right" if 0 < i < 7 or i == 8 else "left")
     for row, cells in zip(result["rows"], table_rows(result)):
         table.add_row(*cells, style="bold" if row["contender"].startswith("torchport") else None)
     console = Console(width=160)

@@ -1,18 +1,22 @@
 """Cross-entropy of ``hidden @ weight.T (+ bias)`` without materialising the logits: the LM head and its loss in one.
 
 For N tokens, hidden size H and vocabulary V, the logits are N·V values (2 GiB in bf16 for 8192 x 128256) and
-the gradients must be formed from them; the op keeps at most a *workspace* of them at a time
-(:func:`workspace_bytes`: 48 MiB, or 3/4 of the hidden states' size when that is more) beyond its outputs and
-gradients. It runs in two passes, both in the forward (the backward only multiplies by the upstream gradient), which
-:mod:`torchport.kernels.linear_ce_passes` describes and runs.
+the gradients must be formed from them; the op keeps at most a *workspace* of them at a time beyond its outputs and
+gradients, and computes the gradients in the forward (the backward only multiplies by the upstream gradient).
+:mod:`torchport.kernels.linear_ce_passes` describes and runs its two strategies: chunks of whole rows, three
+matmuls, with ``grad_weight`` summed over at most ``MAX_ROW_CHUNKS`` chunks within ``ROWS_WORKSPACE_BYTES``
+(256 MiB) where the weight's gradient is wanted and the reduction is a mean or a sum; otherwise two passes, four
+matmuls, every gradient rounded once, within :func:`workspace_bytes` (48 MiB, or 3/4 of the hidden states' size when
+that is more).
 
 ``num_items_in_batch`` (Hugging Face Trainer's gradient-accumulation convention): the loss is the *sum* over the
 non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exactly
 ``F.cross_entropy(logits, target, reduction="sum") / num_items_in_batch`` — so micro-batch losses add up to the
 mean over the whole accumulated batch.
 
-Implementations: ``triton`` (CUDA/ROCm: the two per-slice kernels in :mod:`torchport.kernels.triton.linear_ce_slices`),
-``npu`` and ``chunked`` (the same two passes with the per-slice math in PyTorch; torch_npu's vocabulary-parallel
+Implementations: ``triton`` (CUDA/ROCm: the per-slice kernels in :mod:`torchport.kernels.triton.linear_ce_slices`, and
+for whole rows without soft-capping the cross-entropy kernel of :mod:`torchport.kernels.triton.cross_entropy`),
+``npu`` and ``chunked`` (the same strategies with the per-slice math in PyTorch; torch_npu's vocabulary-parallel
 pieces, npu_fused_linear_online_max_sum and npu_fused_cross_entropy_loss_with_max_sum, are not used), and the
 ``reference``: the full logits, then the cross-entropy in float32.
 ``chunked`` serves every other device in auto mode; ``TORCHPORT_KERNELS`` can force any of them (``chunked`` on
@@ -33,12 +37,12 @@ from ._autograd import autograd_enabled, vjp
 from .checks import capturing, check_floating, check_same_device, check_same_dtype, widen
 from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
                             mark_bad_targets, per_row_losses)
-from .linear_ce_passes import RESCALE_MARGIN, TORCH_MATH, WORKSPACE_BYTES, Blocks, blocks, triton_math, two_pass, \
-    workspace_bytes
+from .linear_ce_passes import (MAX_ROW_CHUNKS, RESCALE_MARGIN, ROWS_WORKSPACE_BYTES, TORCH_MATH, WORKSPACE_BYTES,
+                               Blocks, blocks, linear_cross_entropy, row_chunk, triton_math, workspace_bytes)
 from .spec import CustomOp, OpSpec, randn, targets
 
-__all__ = ["RESCALE_MARGIN", "WORKSPACE_BYTES", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
-           "fused_linear_cross_entropy", "workspace_bytes"]
+__all__ = ["MAX_ROW_CHUNKS", "RESCALE_MARGIN", "ROWS_WORKSPACE_BYTES", "WORKSPACE_BYTES", "Blocks",
+           "FusedLinearCrossEntropyLoss", "blocks", "fused_linear_cross_entropy", "row_chunk", "workspace_bytes"]
 
 
 @registry.register_kernel("fused_linear_cross_entropy", "reference")
@@ -65,7 +69,7 @@ def fused_linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Ten
     return total.to(dtype)
 
 
-# On Ascend the same two passes serve as the "npu" implementation (it calls no torch_npu operator; module
+# On Ascend the same passes serve as the "npu" implementation (it calls no torch_npu operator; module
 # docstring), so that TORCHPORT_KERNELS=npu also covers this op.
 @registry.register_kernel("fused_linear_cross_entropy", "npu", devices=["npu"], priority=15)
 @registry.register_kernel("fused_linear_cross_entropy", "chunked", priority=10)
@@ -75,8 +79,8 @@ def _fused_linear_cross_entropy_chunked(hidden: torch.Tensor, weight: torch.Tens
                                         divisor: float | None = None, n_valid: int | None = None,
                                         z_loss: float = 0.0, softcap: float | None = None,
                                         loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    return two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                     z_loss, softcap, loss_dtype, TORCH_MATH)
+    return linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor,
+                                n_valid, z_loss, softcap, loss_dtype, TORCH_MATH)
 
 
 @registry.register_kernel("fused_linear_cross_entropy", "triton", devices=["cuda"], priority=20)
@@ -88,8 +92,8 @@ def _fused_linear_cross_entropy_triton(hidden: torch.Tensor, weight: torch.Tenso
                                        loss_dtype: torch.dtype | None = None) -> torch.Tensor:
     if hidden.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise registry.Unsupported(f"the Triton kernels take float32, bfloat16 or float16, not {hidden.dtype}")
-    return two_pass(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, n_valid,
-                     z_loss, softcap, loss_dtype, triton_math())
+    return linear_cross_entropy(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor,
+                                n_valid, z_loss, softcap, loss_dtype, triton_math())
 
 
 def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
@@ -225,7 +229,7 @@ def _op_loss(target: torch.Tensor, bias: torch.Tensor | None, ignore_index: int,
 def _op_forward(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
                 wanted):
     """The loss, then its gradients with respect to hidden, weight, target (never) and bias for an upstream gradient
-    of 1, those of ``wanted`` computed with it (the two passes' gradients; autograd through the logits for the
+    of 1, those of ``wanted`` computed with it (the passes' gradients; autograd through the logits for the
     reference), the others empty. ``"none"`` computes none: its backward weights each row (:func:`_op_backward`)."""
     check_reduction("fused_linear_cross_entropy", reduction)
     fn = _op_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
@@ -282,7 +286,7 @@ SPEC = registry.register_op(OpSpec(
            "medium": (2048, 2048, 32000), "large": (8192, 4096, 128256), "benchmark": (8192, 4096, 128256)},
     make=_inputs, call=fused_linear_cross_entropy, differentiable=2,
     # FLOP-bound: 3 matmuls of 2·N·H·V (logits, d hidden, d weight); the bytes are the tensors read and written
-    # once: hidden, weight and their gradients. The fused op runs 4 such matmuls (module docstring), but every
+    # once: hidden, weight and their gradients. The fused op runs 3 or 4 such matmuls (module docstring), and every
     # contender is counted at the unfused op's 6·N·H·V
     bytes_moved=lambda hidden, weight, target: 2 * (hidden.numel() + weight.numel()) * hidden.element_size(),
     flops=lambda hidden, weight, target: 6 * hidden.shape[0] * hidden.shape[1] * weight.shape[0],

@@ -1,8 +1,19 @@
-"""The two passes of :func:`torchport.kernels.fused_linear_cross_entropy`: the LM head's matmul and its
-cross-entropy in blocks of at most a *workspace* of logits (:func:`workspace_bytes`: 48 MiB, or 3/4 of the hidden
-states' size when that is more), with the per-slice element-wise steps in Triton or in PyTorch.
+"""The passes of :func:`torchport.kernels.fused_linear_cross_entropy`: the LM head's matmul and its cross-entropy
+in pieces of at most a *workspace* of logits, with the per-slice element-wise steps in Triton or in PyTorch. Two
+strategies, chosen per call (:func:`row_chunk`):
 
-Both passes run in the forward (the backward only multiplies by the upstream gradient):
+**Whole rows** (when the weight's gradient is wanted, the reduction is a mean or a sum, and the N tokens split into
+at most ``MAX_ROW_CHUNKS`` chunks of whole rows within ``ROWS_WORKSPACE_BYTES``, 256 MiB: 1024 tokens of a
+128256-word vocabulary in bf16). For each chunk of tokens: its logits ``h_c @ W.T``, one kernel that turns them
+into the loss per row and, in place, ``d loss / d logits``; then ``grad_hidden[c] = dlogits @ W`` and
+``grad_weight += dlogits.T @ h_c``. Three matmuls of 2·N·H·V FLOPs, as the unfused op; the price is that
+``grad_weight`` is summed over the chunks in its own dtype (a read-modify-write of V x H per chunk after the first,
+and one rounding per chunk in bf16: measured 1.19x the two passes' relative error at 8192 x 4096 -> 128256 with 8
+chunks, H100; within 3x the error of one rounding in the tests). 8192 x 4096 -> 128256 in bf16, fwd + bwd: 42.2 ms
+against the two passes' 55.7 (H100, ``benchmarks/RESULTS.md``).
+
+**Two passes** (every other case: ``reduction="none"``, a frozen head, more tokens than ``MAX_ROW_CHUNKS`` chunks
+hold, or ``ROWS_WORKSPACE_BYTES = 0``), each gradient rounded once:
 
 1. **Token blocks** (``Blocks.tokens`` rows, vocabulary slices of ``Blocks.vocab`` columns). For each slice the
    block's logits ``h_t @ W_s.T``, then one kernel folds them into each row's running maximum ``m``, sum
@@ -17,26 +28,27 @@ Both passes run in the forward (the backward only multiplies by the upstream gra
    overwritten by their gradient (``lse`` known now), then ``grad_weight[slice] = dlogits.T @ hidden`` written
    once, straight into the weight's dtype: no accumulator, no read-modify-write of a V x H buffer.
 
-Cost: four matmuls of 2·N·H·V FLOPs (logits twice, ``O``, ``grad_weight``) against three for the unfused op;
-every one is large (8192 x 4096 x 128256: blocks of 1024 x 16064 and slices of 8192 x 3072), so they run near the
-matmul peak, and the only other traffic is two reads and writes of each logit by the kernels. The alternatives
-cost more (counted in ``benchmarks/KERNELS_NOTES.md``): token chunks holding whole rows of logits (three matmuls)
-must accumulate ``grad_weight`` over every chunk, which at 62 MiB of logits (256 tokens) means 32 read-modify-
-writes of a V x H buffer (22 ms of traffic at 8192 x 4096 -> 128256 in bf16); in bf16 (liger-kernel's default)
-its error grows with the number of chunks (2.2x the unfused op's error at 32 chunks, 3.2x at 64, emulated on the
-CPU), in float32 the buffer is 2 GiB more.
-Here each gradient is rounded once, as the unfused op's: ``grad_weight`` from one float32-accumulated matmul,
-``grad_hidden`` from the float32 ``O``. A frozen head (``weight`` without gradient) skips pass 2: two matmuls.
+   Four matmuls of 2·N·H·V FLOPs (logits twice, ``O``, ``grad_weight``); every one is large (8192 x 4096 x 128256:
+   blocks of 1024 x 16064 and slices of 8192 x 3072). Token chunks of whole rows within this strategy's small
+   workspace (48 MiB) would accumulate ``grad_weight`` over many chunks (counted in
+   ``benchmarks/KERNELS_NOTES.md``): 32 read-modify-writes of a V x H buffer at 62 MiB of logits, with an error
+   that grows with the number of chunks (2.2x the unfused op's at 32 chunks in bf16, 3.2x at 64); the whole-row
+   strategy above bounds both by its larger workspace and ``MAX_ROW_CHUNKS``. A frozen head (``weight`` without
+   gradient) skips pass 2: two matmuls.
 
-Memory beyond the outputs (N·H and V·H for the gradients): pass 1 holds ``O`` (float32, ``Blocks.tokens`` x H,
-16 MiB) and one block of logits, pass 2 one slice of all N rows, both within the workspace. Soft-capping with
-label smoothing needs a second accumulator (the smoothing term's slope varies per logit).
+   Memory beyond the outputs (N·H and V·H for the gradients): pass 1 holds ``O`` (float32, ``Blocks.tokens`` x H,
+   16 MiB) and one block of logits, pass 2 one slice of all N rows, both within :func:`workspace_bytes` (48 MiB,
+   or 3/4 of the hidden states' size when that is more). Soft-capping with label smoothing needs a second
+   accumulator (the smoothing term's slope varies per logit).
 
-``reduction="none"``: the per-row upstream gradient must weight each row before rows are summed into
-``grad_weight``, so pass 2 runs in the backward (``grad_hidden`` from pass 1 is scaled row by row there).
+   ``reduction="none"``: the per-row upstream gradient must weight each row before rows are summed into
+   ``grad_weight``, so pass 2 runs in the backward (``grad_hidden`` from pass 1 is scaled row by row there).
+
+Both strategies run in the forward; the backward only multiplies by the upstream gradient.
 
 Example:
-    >>> loss = two_pass(hidden, weight, target, None, -100, 0.0, "mean", None, None, 0.0, None, None, TORCH_MATH)
+    >>> loss = linear_cross_entropy(hidden, weight, target, None, -100, 0.0, "mean", None, None, 0.0, None, None,
+    ...                             TORCH_MATH)
 """
 
 from __future__ import annotations
@@ -49,10 +61,16 @@ import torch
 
 from .linear_ce_torch import TORCH_MATH, SliceMath, scale_rows_torch
 
-__all__ = ["RESCALE_MARGIN", "TORCH_MATH", "WORKSPACE_BYTES", "Blocks", "SliceMath", "blocks", "triton_math",
-           "two_pass", "workspace_bytes"]
+__all__ = ["MAX_ROW_CHUNKS", "RESCALE_MARGIN", "ROWS_WORKSPACE_BYTES", "TORCH_MATH", "WORKSPACE_BYTES", "Blocks",
+           "SliceMath", "blocks", "linear_cross_entropy", "row_chunk", "triton_math", "workspace_bytes"]
 
 WORKSPACE_BYTES = 48 * 2**20  # the least workspace; liger-kernel's chunk of logits is 62.6 MiB at 8192 x 4096 -> 128256
+# The whole-row strategy's logits: 1024 tokens x 128256 words in bf16 (250.5 MiB) in one chunk, whose matmuls run at
+# 590-690 TFLOP/s on an H100 (RESULTS.md); 0 turns the strategy off (the two passes then always run)
+ROWS_WORKSPACE_BYTES = 256 * 2**20
+# Most token chunks whose grad_weight products the whole-row strategy sums in the weight's dtype; more tokens run
+# the two passes, whose every gradient is rounded once (the error grows about as the chunks' square root)
+MAX_ROW_CHUNKS = 8
 RESCALE_MARGIN = 8.0  # a row's running maximum moves when a slice exceeds it by more than this (p <= e^8 ~ 2981)
 # Rows x hidden of the pass-1 accumulator: 16 MiB of float32. The matmul accumulating into it then has about 128
 # output tiles of 128 x 256, one wave on a 132-multiprocessor H100, whatever the hidden size.
@@ -103,10 +121,34 @@ def blocks(n: int, hidden: int, vocab: int, element_size: int, accumulators: int
     return Blocks(tokens, _balanced(vocab, left // per_column), _balanced(vocab, budget // max(n * element_size, 1)))
 
 
+def row_chunk(n: int, vocab: int, element_size: int) -> int:
+    """Tokens per chunk of the whole-row strategy for ``n`` tokens of ``vocab`` logits of ``element_size`` bytes, or
+    0 where the two passes run instead: no tokens, or more than ``MAX_ROW_CHUNKS`` chunks within
+    ``ROWS_WORKSPACE_BYTES``.
+
+    Example:
+        >>> row_chunk(8192, 128256, 2), row_chunk(65536, 128256, 2)
+        (1024, 0)
+    """
+    most = ROWS_WORKSPACE_BYTES // max(vocab * element_size, 1)
+    if n == 0 or most < 1:
+        return 0
+    rows = _balanced(n, most)
+    return rows if -(-n // rows) <= MAX_ROW_CHUNKS else 0
+
+
+def _whole_rows_triton(x: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                       z_loss: float, scale: torch.Tensor) -> torch.Tensor:
+    from .triton.cross_entropy import loss_and_grad
+
+    return loss_and_grad(x, target, ignore_index, label_smoothing, z_loss, scale, x)
+
+
 def triton_math() -> SliceMath:
     from .triton import cross_entropy, linear_ce_slices
 
-    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, cross_entropy.scale_rows)
+    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, cross_entropy.scale_rows,
+                     _whole_rows_triton)
 
 
 def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -200,11 +242,70 @@ def _pass_tokens(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
             _finish_grad_hidden(o, s, colsum, weight, t, valid[a:b], state, h_scale[a:b], opts, buffer,
                                 grad_h[a:b])
     lse = torch.where(valid, m + torch.log(d), torch.zeros_like(m))
+    return lse, _row_losses(lse, x_t, total, valid, opts, vocab), grad_h
+
+
+def _row_losses(lse: torch.Tensor, x_t: torch.Tensor, total: torch.Tensor, valid: torch.Tensor, opts: _Options,
+                vocab: int) -> torch.Tensor:
+    """Each row's loss from its log-sum-exp, target logit and logit sum; 0 for ignored rows."""
+    eps = opts.label_smoothing
     rows = lse - (1.0 - eps) * x_t - (eps / vocab) * total
     if opts.z_loss:
         rows = rows + opts.z_loss * lse * lse
-    rows = torch.where(valid, rows, torch.zeros_like(rows))
-    return lse, rows, grad_h
+    return torch.where(valid, rows, torch.zeros_like(rows))
+
+
+def _pass_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target: torch.Tensor,
+               valid: torch.Tensor, row_scale: torch.Tensor, opts: _Options, math_: SliceMath, chunk: int,
+               wanted: tuple[bool, bool, bool]
+               ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The whole-row strategy (module docstring): per-row losses, and ``grad_hidden``, ``grad_weight`` (in the
+    weight's dtype) and ``grad_bias`` (float32) of ``Σ row_scale · loss_row``, those ``wanted``; ``chunk`` tokens at
+    a time."""
+    n, hidden_size = hidden.shape
+    vocab = weight.shape[0]
+    acc = _accumulator(hidden)
+    want_h, want_w, want_b = wanted
+    grad_h = torch.empty_like(hidden, memory_format=torch.contiguous_format) if want_h else None
+    grad_w = torch.empty(weight.shape, dtype=weight.dtype, device=weight.device) if want_w else None
+    grad_b = torch.zeros(vocab, dtype=acc, device=hidden.device) if want_b else None
+    rows = torch.empty(n, dtype=acc, device=hidden.device)
+    buffer = torch.empty(chunk * vocab, dtype=hidden.dtype, device=hidden.device)
+    fast = math_.whole_rows is not None and opts.softcap is None
+    if fast:  # the reduction's factor as the one-element float32 tensor the kernel reads (made on the device)
+        if isinstance(opts.scale, torch.Tensor):
+            scale = opts.scale.to(torch.float32).reshape(1)
+        else:
+            scale = torch.full((1,), float(opts.scale), dtype=torch.float32, device=hidden.device)
+    else:
+        stats = tuple(torch.empty(chunk, dtype=acc, device=hidden.device) for _ in range(5))
+    for a in range(0, n, chunk):
+        b = min(n, a + chunk)
+        h, t = hidden[a:b], target[a:b]
+        x = _logits(h, weight, bias, 0, vocab, buffer)
+        if fast:
+            rows[a:b] = math_.whole_rows(x, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, scale)
+        else:  # the two passes' slice steps on one slice that is the whole row
+            m, d, x_t, total, alpha = (v[: b - a] for v in stats)
+            m.fill_(-math.inf)
+            for v in (d, x_t, total):
+                v.zero_()
+            math_.stats(x, t, 0, (m, d, x_t, total), alpha, opts.ignore_index, opts.softcap, RESCALE_MARGIN, False,
+                        None)
+            ok = valid[a:b]
+            lse = torch.where(ok, m + torch.log(torch.where(ok, d, torch.ones_like(d))), torch.zeros_like(m))
+            math_.grad(x, t, 0, vocab, lse, row_scale[a:b], opts.label_smoothing, opts.z_loss, opts.softcap)
+            rows[a:b] = _row_losses(lse, x_t, total, ok, opts, vocab)
+        if want_h:
+            torch.mm(x, weight, out=grad_h[a:b])
+        if want_w:
+            if a == 0:
+                torch.mm(x.t(), h, out=grad_w)
+            else:  # the running sum in the weight's dtype: one rounding per chunk (module docstring)
+                grad_w.addmm_(x.t(), h)
+        if want_b:
+            grad_b.add_(x.sum(0, dtype=acc))
+    return rows, grad_h, grad_w, grad_b
 
 
 def _finish_grad_hidden(o: torch.Tensor, s: torch.Tensor | None, colsum: torch.Tensor | None, weight: torch.Tensor,
@@ -259,7 +360,7 @@ def _pass_vocab(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor |
     return grad_w, grad_b
 
 
-class _TwoPassFunction(torch.autograd.Function):
+class _FusedFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 target: torch.Tensor, opts: _Options, math_: SliceMath) -> torch.Tensor:
@@ -270,11 +371,17 @@ class _TwoPassFunction(torch.autograd.Function):
         per_row = opts.reduction == "none"
         # "none": unit scale now, each row's upstream gradient in the backward
         row_scale = valid.to(acc) * (1.0 if per_row else opts.scale)
-        lse, rows, grad_h = _pass_tokens(hidden, weight, bias, target, valid, opts, math_,
-                                         row_scale if want_h else None)
-        grad_w = grad_b = None
-        if not per_row and (want_w or want_b):
-            grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w, want_b)
+        chunk = 0 if per_row or not want_w else row_chunk(hidden.shape[0], weight.shape[0], hidden.element_size())
+        if chunk:
+            rows, grad_h, grad_w, grad_b = _pass_rows(hidden, weight, bias, target, valid, row_scale, opts, math_,
+                                                      chunk, (want_h, want_w, want_b))
+        else:
+            lse, rows, grad_h = _pass_tokens(hidden, weight, bias, target, valid, opts, math_,
+                                             row_scale if want_h else None)
+            grad_w = grad_b = None
+            if not per_row and (want_w or want_b):
+                grad_w, grad_b = _pass_vocab(hidden, weight, bias, target, lse, row_scale, opts, math_, want_w,
+                                             want_b)
         ctx.opts, ctx.math = opts, math_
         ctx.wanted = (want_h, want_w, want_b)
         ctx.dtypes = (weight.dtype, None if bias is None else bias.dtype)
@@ -335,10 +442,12 @@ def _scale_by(math_: SliceMath, dloss: torch.Tensor, grads: tuple[torch.Tensor |
                 g.mul_(value)  # a Python float: multiplied in float32, rounded once
 
 
-def two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, bias: torch.Tensor | None,
-              ignore_index: int, label_smoothing: float, reduction: str, divisor: float | None, n_valid: int | None,
-              z_loss: float, softcap: float | None, loss_dtype: torch.dtype | None,
-              math_: SliceMath) -> torch.Tensor:
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor,
+                         bias: torch.Tensor | None, ignore_index: int, label_smoothing: float, reduction: str,
+                         divisor: float | None, n_valid: int | None, z_loss: float, softcap: float | None,
+                         loss_dtype: torch.dtype | None, math_: SliceMath) -> torch.Tensor:
+    """The op on ``[N, H]`` hidden states (arguments checked by the caller) with the element-wise steps of
+    ``math_``: the loss, whose backward hands over the gradients the forward computed."""
     if divisor is not None:
         scale: float | torch.Tensor = 1.0 / divisor
     elif reduction != "mean":
@@ -349,4 +458,4 @@ def two_pass(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, b
         kept = (target != ignore_index).sum().clamp_min(1)
         scale = 1.0 / kept.to(_accumulator(hidden))
     opts = _Options(ignore_index, label_smoothing, z_loss, softcap, reduction, scale, loss_dtype)
-    return _TwoPassFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)
+    return _FusedFunction.apply(hidden, weight, bias, target.contiguous(), opts, math_)

@@ -16,11 +16,15 @@ __all__ = ["TORCH_MATH", "SliceMath", "scale_rows_torch"]
 class SliceMath(NamedTuple):
     """The per-slice element-wise steps, in Triton or in PyTorch (signatures of the Triton module's functions);
     ``scale_rows(t, factor)``: ``t[i] *= factor[i]``, for the accumulator's rescaling (Triton's skips rows whose
-    factor is exactly 1, which most rows' is)."""
+    factor is exactly 1, which most rows' is). ``whole_rows(x, target, ignore_index, label_smoothing, z_loss,
+    scale)``, where there is one: whole rows of logits without soft-capping in one step, returning each row's loss
+    (float32) and overwriting ``x`` with ``scale · d loss_row / d logits`` (``scale`` a one-element float32 tensor);
+    without it, ``stats`` and then ``grad`` on the whole row do the same."""
 
     stats: Callable[..., None]
     grad: Callable[..., None]
     scale_rows: Callable[[torch.Tensor, torch.Tensor], None]
+    whole_rows: Callable[..., torch.Tensor] | None = None
 
 
 def _row_chunks(x: torch.Tensor, copies: int) -> range:
