@@ -41,7 +41,7 @@ def _variants() -> dict[str, dict[str, bool]]:
 
 
 def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int,
-            profile: int = 0) -> dict[str, Any]:
+            profile: int = 0, optimizer: str = "fused") -> dict[str, Any]:
     import torch
 
     import torchport
@@ -56,7 +56,7 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
         forward = torch.compile(model, backend="torchport", options={"passes": _variants()[name]})
     elif name == "patched":
         torchport.patch(model)
-    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile)
+    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile, optimizer)
     median_s = result["median_step_ms"] / 1e3
     result["compile_s"] = max(0.0, result["first_step_s"] - median_s) if result["first_step_s"] else None
     return {"contender": name, **result}

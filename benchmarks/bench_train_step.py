@@ -2,7 +2,8 @@
 eager and torchport + ``torch.compile``.
 
 Model (``../shared/BENCHMARKS.md``): hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 kv heads, vocab 128256,
-bf16 weights, SDPA attention, AdamW; batch 4 x 2048 tokens, labels = inputs (causal-LM loss). Each contender runs
+bf16 weights, SDPA attention, AdamW (fused, Hugging Face Trainer's default; ``--optimizer foreach``: torch's own
+default); batch 4 x 2048 tokens, labels = inputs (causal-LM loss). Each contender runs
 in its own process (both liger-kernel and torchport patch transformers' modules; compiling fills dynamo's caches),
 from the same seed and data: tokens/s over the timed steps, peak device memory during them, and the losses of every
 step, compared with Hugging Face eager's.
@@ -40,7 +41,7 @@ LOSS_TOLERANCE = 2e-2  # |loss - eager's| per step: a few bf16 roundings of a lo
 
 
 def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: int, warmup: int,
-            profile: int = 0) -> dict[str, Any]:
+            profile: int = 0, optimizer: str = "fused") -> dict[str, Any]:
     """Build, patch, (compile,) train ``warmup + steps`` steps, and measure; runs in its own process."""
     import torch
 
@@ -59,7 +60,7 @@ def run_one(name: str, shape: dict[str, int], device_spec: str | None, steps: in
         forward = torch.compile(model)
     else:
         forward = model
-    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile)
+    result = llama_step.measure(model, forward, shape, device, steps, warmup, profile, optimizer)
     median_s = result["median_step_ms"] / 1e3
     result["compile_s"] = max(0.0, result["first_step_s"] - median_s) if result["first_step_s"] else None
     return {"contender": name, **result}
@@ -97,7 +98,7 @@ def main() -> None:
     ok = {r["contender"]: r for r in rows if "error" not in r}
     base = ok.get("eager")
     print(f"\nLlama-shaped train step, batch {shape['batch']} x {shape['seq']}, {shape['num_hidden_layers']} layers, "
-          f"hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, bf16, AdamW")
+          f"hidden {shape['hidden_size']}, vocab {shape['vocab_size']}, bf16, AdamW ({args.optimizer})")
     print("| contender | median step ms | tokens/s | vs liger | peak GiB | loss, first → last | max |Δloss| vs eager |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:

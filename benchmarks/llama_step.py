@@ -1,7 +1,8 @@
 """The Llama-shaped train step shared by ``bench_train_step.py`` and ``bench_compile.py``.
 
 Model (``../shared/BENCHMARKS.md``): hidden 2048, intermediate 8192, 16 layers, 32 heads, 8 kv heads, vocab 128256,
-bf16 weights, SDPA attention, AdamW; batch 4 x 2048 tokens, labels = inputs. Each contender runs in its own
+bf16 weights, SDPA attention, AdamW (fused, as Hugging Face Trainer's default; ``--optimizer foreach`` for
+torch's own default); batch 4 x 2048 tokens, labels = inputs. Each contender runs in its own
 process (patching and compiling change transformers' modules and dynamo's caches), from the same seed and data:
 :func:`build` makes the model, :func:`measure` times ``warmup`` untimed then ``steps`` timed steps, and
 :func:`run_contenders` starts one process per contender and collects what each printed.
@@ -46,17 +47,24 @@ def build(shape: dict[str, int], device_spec: str | None) -> tuple[Any, Any]:
     return model, device
 
 
+OPTIMIZERS = ("fused", "foreach")  # torch.optim.AdamW's implementations; Hugging Face Trainer's default is "fused"
+
+
 def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], device: Any, steps: int,
-            warmup: int, profile: int = 0) -> dict[str, Any]:
+            warmup: int, profile: int = 0, optimizer: str = "fused") -> dict[str, Any]:
     """Train ``warmup + steps`` AdamW steps through ``forward``; tokens/s and peak memory over the timed ones.
-    With ``profile`` > 0, one more step runs under ``torch.profiler`` and the result lists its ``profile`` device
-    kernels that took the most time (name, ms, calls)."""
+    ``optimizer``: AdamW's ``"fused"`` kernel (Hugging Face Trainer's default ``optim="adamw_torch_fused"`` with
+    torch >= 2.8, transformers' ``training_args.py``) or its ``"foreach"`` kernels (``torch.optim.AdamW``'s own
+    default on CUDA). With ``profile`` > 0, one more step runs under ``torch.profiler`` and the result lists its
+    ``profile`` device kernels that took the most time (name, ms, calls)."""
     import torch
 
     import torchport
     import torchport.backends
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r}: expected one of {', '.join(OPTIMIZERS)}")
+    adamw = torch.optim.AdamW(model.parameters(), lr=1e-4, **{optimizer: True})
     gen = torch.Generator().manual_seed(1)
     vocab = model.config.vocab_size
     batches = [torch.randint(0, vocab, (shape["batch"], shape["seq"]), generator=gen).to(device)
@@ -66,8 +74,8 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
         torch.compiler.cudagraph_mark_step_begin()  # a new step for CUDA-graph trees (mode="reduce-overhead")
         loss = forward(input_ids=tokens, labels=tokens).loss
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
+        adamw.step()
+        adamw.zero_grad(set_to_none=True)
         return loss.detach().clone()  # a graph's output memory is overwritten by its next replay
 
     losses, warm_times = [], []
@@ -99,6 +107,7 @@ def measure(model: Any, forward: Callable[..., Any], shape: dict[str, int], devi
         "tokens_per_s": shape["batch"] * shape["seq"] / median,
         "peak_gib": None if peak is None else peak / 2**30,
         "first_step_s": warm_times[0] if warm_times else None,
+        "optimizer": f"AdamW, {optimizer}",
         "losses": losses,
         **({"profile": kernels} if kernels is not None else {}),
     }
@@ -174,7 +183,7 @@ def report_one(result: dict[str, Any]) -> None:
 
 
 def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name: str,
-         run_one: Callable[[str, dict[str, int], str | None, int, int, int], dict[str, Any]]
+         run_one: Callable[[str, dict[str, int], str | None, int, int, int, str], dict[str, Any]]
          ) -> tuple[argparse.Namespace, dict[str, int], list[dict[str, Any]]] | None:
     """The command line both benchmarks share: parse it; with ``--one NAME`` (a child process) run that contender
     and return None; otherwise run the chosen contenders, one process each, and return the arguments, the shape
@@ -188,17 +197,20 @@ def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name:
     parser.add_argument("--json", default=os.path.join(HERE, "results", json_name))
     parser.add_argument("--profile", type=int, default=0, metavar="K",
                         help="after timing, profile one more step and list its K slowest device kernels")
+    parser.add_argument("--optimizer", default="fused", choices=OPTIMIZERS,
+                        help="AdamW's fused kernel (default; Hugging Face Trainer's default) or its foreach kernels")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # run one contender in this process, print JSON
     args = parser.parse_args()
     shape = SMALL if args.small else FULL
     if args.one:
-        report_one(run_one(args.one, shape, args.device, args.steps, args.warmup, args.profile))
+        report_one(run_one(args.one, shape, args.device, args.steps, args.warmup, args.profile, args.optimizer))
         return None
     wanted = [c.strip() for c in args.contenders.split(",") if c.strip()]
     unknown = sorted(set(wanted) - set(contenders))
     if unknown:
         parser.error(f"--contenders: unknown {unknown}; valid: {', '.join(contenders)}")
-    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile)] + \
+    extra = ["--steps", str(args.steps), "--warmup", str(args.warmup), "--profile", str(args.profile),
+             "--optimizer", args.optimizer] + \
         (["--small"] if args.small else []) + (["--device", args.device] if args.device else [])
     return args, shape, run_contenders(sys.argv[0], wanted, extra, args.json + ".partial")
 
@@ -206,5 +218,6 @@ def main(doc: str, contenders: Sequence[str], default: Sequence[str], json_name:
 def write(path: str, shape: dict[str, int], args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump({"shape": shape, "steps": args.steps, "warmup": args.warmup, "rows": rows}, f, indent=2)
+        json.dump({"shape": shape, "steps": args.steps, "warmup": args.warmup, "optimizer": args.optimizer,
+                   "rows": rows}, f, indent=2)
     print(f"wrote {path}")
