@@ -2,18 +2,21 @@
 in pieces of at most a *workspace* of logits, with the per-slice element-wise steps in Triton or in PyTorch. Two
 strategies, chosen per call (:func:`row_chunk`):
 
-**Whole rows** (when the weight's gradient is wanted, the reduction is a mean or a sum, and the N tokens split into
-at most ``MAX_ROW_CHUNKS`` chunks of whole rows within ``ROWS_WORKSPACE_BYTES``, 256 MiB: 1024 tokens of a
-128256-word vocabulary in bf16). For each chunk of tokens: its logits ``h_c @ W.T``, one kernel that turns them
-into the loss per row and, in place, ``d loss / d logits``; then ``grad_hidden[c] = dlogits @ W`` and
-``grad_weight += dlogits.T @ h_c``. Three matmuls of 2·N·H·V FLOPs, as the unfused op; the price is that
-``grad_weight`` is summed over the chunks in its own dtype (a read-modify-write of V x H per chunk after the first,
-and one rounding per chunk in bf16: measured 1.19x the two passes' relative error at 8192 x 4096 -> 128256 with 8
-chunks, H100; within 3x the error of one rounding in the tests). 8192 x 4096 -> 128256 in bf16, fwd + bwd: 42.2 ms
-against the two passes' 55.7 (H100, ``benchmarks/RESULTS.md``).
+**Whole rows** (when the weight's gradient is wanted, the reduction is a mean or a sum, the inputs are not float16,
+and the N tokens split into at most ``MAX_ROW_CHUNKS`` chunks of whole rows within ``ROWS_WORKSPACE_BYTES``,
+256 MiB: 1024 tokens of a 128256-word vocabulary in bf16). For each chunk of tokens: its logits ``h_c @ W.T``, one
+kernel that turns them into the loss per row and, in place, ``d loss / d logits`` (with soft-capping, the two
+passes' slice kernels on a slice that is the whole row); then ``grad_hidden[c] = dlogits @ W`` (when wanted) and
+``grad_weight += dlogits.T @ h_c``. Three matmuls of 2·N·H·V FLOPs, as the unfused op (two for frozen hidden
+states); the price is that ``grad_weight`` is summed over the chunks in its own dtype (a read-modify-write of V x H
+per chunk after the first, which cuBLAS mostly hides, and one rounding per chunk in bf16: measured 1.19x the two
+passes' relative error at 8192 x 4096 -> 128256 with 8 chunks, H100; within 3x the error of one rounding in the
+tests). 8192 x 4096 -> 128256 in bf16, fwd + bwd on H100s: 39.7-42.5 ms against the two passes' 54.3-56.3
+(``benchmarks/RESULTS.md``). float16 keeps the two passes: ``scale · dlogits`` stored in float16 underflows for a
+mean over many tokens.
 
-**Two passes** (every other case: ``reduction="none"``, a frozen head, more tokens than ``MAX_ROW_CHUNKS`` chunks
-hold, or ``ROWS_WORKSPACE_BYTES = 0``), each gradient rounded once:
+**Two passes** (every other case: ``reduction="none"``, a frozen head, float16, more tokens than
+``MAX_ROW_CHUNKS`` chunks hold, or ``ROWS_WORKSPACE_BYTES = 0``), each gradient rounded once:
 
 1. **Token blocks** (``Blocks.tokens`` rows, vocabulary slices of ``Blocks.vocab`` columns). For each slice the
    block's logits ``h_t @ W_s.T``, then one kernel folds them into each row's running maximum ``m``, sum
@@ -44,7 +47,8 @@ hold, or ``ROWS_WORKSPACE_BYTES = 0``), each gradient rounded once:
    ``reduction="none"``: the per-row upstream gradient must weight each row before rows are summed into
    ``grad_weight``, so pass 2 runs in the backward (``grad_hidden`` from pass 1 is scaled row by row there).
 
-Both strategies run in the forward; the backward only multiplies by the upstream gradient.
+Both strategies run in the forward (but pass 2 for ``reduction="none"``); the backward multiplies by the upstream
+gradient.
 
 Example:
     >>> loss = linear_cross_entropy(hidden, weight, target, None, -100, 0.0, "mean", None, None, 0.0, None, None,
@@ -371,7 +375,10 @@ class _FusedFunction(torch.autograd.Function):
         per_row = opts.reduction == "none"
         # "none": unit scale now, each row's upstream gradient in the backward
         row_scale = valid.to(acc) * (1.0 if per_row else opts.scale)
-        chunk = 0 if per_row or not want_w else row_chunk(hidden.shape[0], weight.shape[0], hidden.element_size())
+        # float16 keeps the two passes: the whole-row kernel writes scale · dlogits in the logits' dtype, where a
+        # mean's 1/N times a small probability underflows float16's range (bf16 has float32's)
+        rows_ok = want_w and not per_row and hidden.dtype != torch.float16
+        chunk = row_chunk(hidden.shape[0], weight.shape[0], hidden.element_size()) if rows_ok else 0
         if chunk:
             rows, grad_h, grad_w, grad_b = _pass_rows(hidden, weight, bias, target, valid, row_scale, opts, math_,
                                                       chunk, (want_h, want_w, want_b))

@@ -101,7 +101,7 @@ def _grad_rows(x: torch.Tensor, target: torch.Tensor, v0: int, vocab: int, lse: 
     inside = (local >= 0) & (local < width)
     if width:
         g.scatter_add_(1, local.clamp(0, width - 1).unsqueeze(1),
-                       torch.where(inside, label_smoothing - 1.0, 0.0).to(g.dtype).unsqueeze(1))
+                       (inside.to(g.dtype) * (label_smoothing - 1.0)).unsqueeze(1))  # in g's precision
     if slope is not None:
         g.mul_(slope)
     # masked, not only multiplied: rows with scale 0 (ignored targets) are 0 even where their exp() overflowed

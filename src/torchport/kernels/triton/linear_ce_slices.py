@@ -1,12 +1,15 @@
-"""The fused linear cross-entropy's per-slice kernels (:mod:`torchport.kernels.linear_ce_passes`), which never hold a
-whole row of logits: ``slice_stats`` folds a slice of a block's logits into each row's running maximum, sum of
-exponentials, target logit and logit sum, and overwrites the slice with ``exp(logit - max)`` (the operand of the next
-matmul); ``slice_grad`` overwrites a slice with its gradient once each row's log-sum-exp is known.
+"""The fused linear cross-entropy's per-slice kernels (:mod:`torchport.kernels.linear_ce_passes`): ``slice_stats``
+folds a slice of a block's logits into each row's running maximum, sum of exponentials, target logit and logit sum,
+and overwrites the slice with ``exp(logit - max)`` (the operand of the next matmul); ``slice_grad`` overwrites a
+slice with its gradient once each row's log-sum-exp is known. The two passes give them slices of at most 48 MiB;
+the whole-row strategy gives them whole rows of a chunk (up to 256 MiB) only with soft-capping, which its own
+whole-row kernel (the cross-entropy kernel) does not take.
 
-Bytes: each reads a slice twice (the second read from L2: a slice is at most the op's workspace, 48 MiB at
-8192 x 4096 -> 128256, against the H100's 50 MiB L2) and writes it once: 4 bytes per bf16 logit in all, 4.2 GB per
-pass for 8192 x 128256, 1.4 ms at 3022 GB/s, next to 11 ms for each of the pass's two matmuls. Both soft-cap the
-logits (``cap · tanh(x / cap)``, Gemma 2) when asked, with the derivative in what they write.
+Bytes: each reads a slice twice and writes it once. In the two passes the second read comes from L2 (a slice is at
+most the op's workspace, 48 MiB at 8192 x 4096 -> 128256, against the H100's 50 MiB L2): 4 bytes per bf16 logit in
+all, 4.2 GB per pass for 8192 x 128256, 1.4 ms at 3022 GB/s, next to 11 ms for each of the pass's two matmuls; a
+program walks one row, so on whole rows the second read comes from L2 as long as the rows in flight fit there.
+Both soft-cap the logits (``cap · tanh(x / cap)``, Gemma 2) when asked, with the derivative in what they write.
 """
 
 from __future__ import annotations
