@@ -276,19 +276,14 @@ def _pass_rows(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     rows = torch.empty(n, dtype=acc, device=hidden.device)
     buffer = torch.empty(chunk * vocab, dtype=hidden.dtype, device=hidden.device)
     fast = math_.whole_rows is not None and opts.softcap is None
-    if fast:  # the reduction's factor as the one-element float32 tensor the kernel reads (made on the device)
-        if isinstance(opts.scale, torch.Tensor):
-            scale = opts.scale.to(torch.float32).reshape(1)
-        else:
-            scale = torch.full((1,), float(opts.scale), dtype=torch.float32, device=hidden.device)
-    else:
+    if not fast:
         stats = tuple(torch.empty(chunk, dtype=acc, device=hidden.device) for _ in range(5))
     for a in range(0, n, chunk):
         b = min(n, a + chunk)
         h, t = hidden[a:b], target[a:b]
         x = _logits(h, weight, bias, 0, vocab, buffer)
         if fast:
-            rows[a:b] = math_.whole_rows(x, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, scale)
+            rows[a:b] = math_.whole_rows(x, t, opts.ignore_index, opts.label_smoothing, opts.z_loss, opts.scale)
         else:  # the two passes' slice steps on one slice that is the whole row
             m, d, x_t, total, alpha = (v[: b - a] for v in stats)
             m.fill_(-math.inf)

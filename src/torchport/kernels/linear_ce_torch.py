@@ -18,8 +18,8 @@ class SliceMath(NamedTuple):
     ``scale_rows(t, factor)``: ``t[i] *= factor[i]``, for the accumulator's rescaling (Triton's skips rows whose
     factor is exactly 1, which most rows' is). ``whole_rows(x, target, ignore_index, label_smoothing, z_loss,
     scale)``, where there is one: whole rows of logits without soft-capping in one step, returning each row's loss
-    (float32) and overwriting ``x`` with ``scale · d loss_row / d logits`` (``scale`` a one-element float32 tensor);
-    without it, ``stats`` and then ``grad`` on the whole row do the same."""
+    (float32) and overwriting ``x`` with ``scale · d loss_row / d logits`` (``scale`` a float, or a float32 tensor of
+    one element read on the device); without it, ``stats`` and then ``grad`` on the whole row do the same."""
 
     stats: Callable[..., None]
     grad: Callable[..., None]
