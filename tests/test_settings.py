@@ -31,6 +31,8 @@ def test_environment_is_read_and_normalised(monkeypatch: pytest.MonkeyPatch) -> 
         ("TORCHPORT_STRICT", "2", "valid values: 1, true"),
         ("TORCHPORT_DIST_TIMEOUT", "0", "a positive number of seconds"),
         ("TORCHPORT_DIST_TIMEOUT", "soon", "a positive number of seconds"),
+        ("TORCHPORT_LOSS_WORKSPACE_MIB", "-8", "a number of MiB, 0 or more"),
+        ("TORCHPORT_LOSS_WORKSPACE_MIB", "256MiB", "a number of MiB, 0 or more"),
     ],
 )
 def test_invalid_values_name_the_variable_and_the_valid_ones(

@@ -136,6 +136,16 @@ def _seconds(value: Any, source: str) -> float:
     return seconds
 
 
+def _mebibytes(value: Any, source: str) -> float:
+    try:
+        mib = float(value)
+    except (TypeError, ValueError):
+        mib = -1.0
+    if not 0 <= mib < float("inf"):
+        raise ValueError(f"{source}={value!r} is not a size; valid values: a number of MiB, 0 or more")
+    return mib
+
+
 def _mode(value: Any, source: str) -> str:
     text = str(value).strip().lower()
     if text not in MODES:
@@ -253,6 +263,11 @@ ROWS: tuple[Row, ...] = (
         "a positive number of seconds",
         "how long a process-group start (rendezvous) or a collective may wait for the other processes before "
         "failing instead of hanging"),
+    Row("TORCHPORT_LOSS_WORKSPACE_MIB", "loss_workspace_mib", None, _mebibytes, "float | None",
+        "a number of MiB, 0 or more (unset: 256)",
+        "the logits the fused linear cross-entropy may hold at once for its fastest strategy (chunks of whole "
+        "rows); a batch that needs more than 8 such chunks, or `0`, takes the two passes, which hold 48 MiB and "
+        "are slower (see [kernels.md](kernels.md#the-fused-linear-cross-entropy))"),
     Row("TORCHPORT_MODE", "mode", None, _mode, "str | None",
         "`speed`, `balanced` or `memory`",
         "the mode `torchport run` switches on before the program starts (and `torchport.enable()` without a mode)"),

@@ -335,7 +335,8 @@ def test_gradient_rounding(strategy, device, monkeypatch):
         assert err <= 3 * floor, f"{name}: relative error {err:.2e} > 3 x {floor:.2e}"
 
 
-@pytest.mark.parametrize("case", ["rows", "none", "frozen head", "too many tokens", "off", "no tokens", "float16"])
+@pytest.mark.parametrize("case", ["rows", "none", "frozen head", "too many tokens", "off", "no tokens", "float16",
+                                  "setting", "setting 0"])
 def test_strategy_runs_as_chosen(case, device, flce_impl, monkeypatch):
     """The whole-row strategy runs, in several chunks, exactly where row_chunk says; the two passes elsewhere."""
     if flce_impl == "reference":
@@ -350,6 +351,11 @@ def test_strategy_runs_as_chosen(case, device, flce_impl, monkeypatch):
         monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 0)
     if case == "too many tokens":  # 10 chunks of 4 rows
         monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 4 * 1003 * 4)
+    if case == "setting":  # TORCHPORT_LOSS_WORKSPACE_MIB wins over the module's default: 13 rows a chunk
+        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 0)
+        monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0.05")
+    if case == "setting 0":
+        monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0")
     hidden, weight, bias, t = make(max(n, 1), 24, 1003)
     hidden, t = hidden[:n], t[:n]
     dtype = torch.float16 if case == "float16" else torch.float32
@@ -359,7 +365,7 @@ def test_strategy_runs_as_chosen(case, device, flce_impl, monkeypatch):
     loss = run(flce_impl, h, w, t.to(device), b, 0.0, reduction)
     loss.backward(torch.ones_like(loss))
     chunk = flce_module.row_chunk(n, 1003, 4)
-    if case == "rows":
+    if case in ("rows", "setting"):
         assert chunk and n / chunk > 2 and [r[0] for r in ran] == ["_pass_rows"] and ran[0][1][8] == chunk
     else:
         assert [r[0] for r in ran] == ["_pass_tokens"]
@@ -403,6 +409,28 @@ def test_row_chunk():
     assert flce_module.row_chunk(8192, 128256, 4) == 0  # float32: 16 chunks of 523
     assert flce_module.row_chunk(4096, 128256, 4) == 512
     assert flce_module.row_chunk(0, 1000, 2) == 0
+
+
+def test_row_chunk_follows_the_setting(monkeypatch):
+    monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "512")
+    assert flce_module.rows_workspace_bytes() == 512 * 2**20
+    assert flce_module.row_chunk(8192, 128256, 2) == 2048  # 4 chunks of 501 MiB
+    monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "128")
+    assert flce_module.row_chunk(8192, 128256, 2) == 0  # 16 chunks: the two passes
+    assert flce_module.row_chunk(4096, 128256, 2) == 512
+    monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0")
+    assert flce_module.row_chunk(16, 1000, 2) == 0
+    monkeypatch.delenv("TORCHPORT_LOSS_WORKSPACE_MIB")
+    assert flce_module.rows_workspace_bytes() == flce_module.ROWS_WORKSPACE_BYTES
+
+
+@pytest.mark.parametrize("value", ["-1", "lots", "inf"])
+def test_an_invalid_workspace_setting_is_the_callers_error(monkeypatch, value):
+    """Raised by the call, naming the variable and what it takes; not taken for a failing kernel (no fallback)."""
+    monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", value)
+    hidden, weight, _, t = make(5, 8, 40)
+    with pytest.raises(ValueError, match="TORCHPORT_LOSS_WORKSPACE_MIB=.*a number of MiB, 0 or more"):
+        torchport.kernels.fused_linear_cross_entropy(hidden, weight, t)
 
 
 def test_frozen_hidden_and_no_grad(device, flce_impl, small_chunks):

@@ -3,11 +3,12 @@
 For N tokens, hidden size H and vocabulary V, the logits are N·V values (2 GiB in bf16 for 8192 x 128256) and
 the gradients must be formed from them; the op keeps at most a *workspace* of them at a time beyond its outputs and
 gradients, and computes the gradients in the forward (the backward only multiplies by the upstream gradient).
-:mod:`torchport.kernels.linear_ce_passes` describes and runs its two strategies (and holds their settings:
+:mod:`torchport.kernels.linear_ce_passes` describes and runs its two strategies (and holds their constants:
 ``ROWS_WORKSPACE_BYTES``, ``MAX_ROW_CHUNKS``, ``WORKSPACE_BYTES``): chunks of whole rows, three matmuls, with
-``grad_weight`` summed over at most 8 chunks within 256 MiB where the weight's gradient is wanted, the reduction is
-a mean or a sum and the inputs are not float16; otherwise two passes, four matmuls, every gradient rounded once,
-within :func:`workspace_bytes` (48 MiB, or 3/4 of the hidden states' size when that is more).
+``grad_weight`` summed over at most 8 chunks within 256 MiB (``TORCHPORT_LOSS_WORKSPACE_MIB`` sets another size)
+where the weight's gradient is wanted, the reduction is a mean or a sum and the inputs are not float16; otherwise
+two passes, four matmuls, every gradient rounded once, within :func:`workspace_bytes` (48 MiB, or 3/4 of the hidden
+states' size when that is more).
 
 ``num_items_in_batch`` (Hugging Face Trainer's gradient-accumulation convention): the loss is the *sum* over the
 non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exactly
@@ -37,11 +38,11 @@ from ._autograd import autograd_enabled, vjp
 from .checks import capturing, check_floating, check_same_device, check_same_dtype, widen
 from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
                             mark_bad_targets, per_row_losses)
-from .linear_ce_passes import (RESCALE_MARGIN, TORCH_MATH, WORKSPACE_BYTES, Blocks, blocks, linear_cross_entropy,
-                               row_chunk, triton_math, workspace_bytes)
+from .linear_ce_passes import (RESCALE_MARGIN, TORCH_MATH, Blocks, blocks, linear_cross_entropy, row_chunk,
+                               rows_workspace_bytes, triton_math, workspace_bytes)
 from .spec import CustomOp, OpSpec, randn, targets
 
-__all__ = ["RESCALE_MARGIN", "WORKSPACE_BYTES", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
+__all__ = ["RESCALE_MARGIN", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
            "fused_linear_cross_entropy", "row_chunk", "workspace_bytes"]
 
 
@@ -151,6 +152,8 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"{op}: softcap={softcap!r} must be a number > 0, or None for no soft-capping")
     if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
         raise TypeError(f"{op}: loss_dtype={loss_dtype!r} must be a floating dtype (torch.float32, ...) or None")
+    if not torch.compiler.is_dynamo_compiling():
+        rows_workspace_bytes()  # read again by the passes: an invalid setting is the caller's error, not a fallback
     divisor = count = None
     if num_items_in_batch is not None:
         if reduction == "none":

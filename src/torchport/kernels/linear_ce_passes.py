@@ -3,8 +3,9 @@ in pieces of at most a *workspace* of logits, with the per-slice element-wise st
 strategies, chosen per call (:func:`row_chunk`):
 
 **Whole rows** (when the weight's gradient is wanted, the reduction is a mean or a sum, the inputs are not float16,
-and the N tokens split into at most ``MAX_ROW_CHUNKS`` chunks of whole rows within ``ROWS_WORKSPACE_BYTES``,
-256 MiB: 1024 tokens of a 128256-word vocabulary in bf16). For each chunk of tokens: its logits ``h_c @ W.T``, one
+and the N tokens split into at most ``MAX_ROW_CHUNKS`` chunks of whole rows within :func:`rows_workspace_bytes`:
+``TORCHPORT_LOSS_WORKSPACE_MIB``, by default ``ROWS_WORKSPACE_BYTES``, 256 MiB, 1024 tokens of a 128256-word
+vocabulary in bf16). For each chunk of tokens: its logits ``h_c @ W.T``, one
 kernel that turns them into the loss per row and, in place, ``d loss / d logits`` (with soft-capping, the two
 passes' slice kernels on a slice that is the whole row); then ``grad_hidden[c] = dlogits @ W`` (when wanted) and
 ``grad_weight += dlogits.T @ h_c``. Three matmuls of 2·N·H·V FLOPs, as the unfused op (two for frozen hidden
@@ -16,7 +17,7 @@ tests). 8192 x 4096 -> 128256 in bf16, fwd + bwd on H100s: 39.7-42.5 ms against 
 mean over many tokens.
 
 **Two passes** (every other case: ``reduction="none"``, a frozen head, float16, more tokens than
-``MAX_ROW_CHUNKS`` chunks hold, or ``ROWS_WORKSPACE_BYTES = 0``), each gradient rounded once:
+``MAX_ROW_CHUNKS`` chunks hold, or a whole-row workspace of 0), each gradient rounded once:
 
 1. **Token blocks** (``Blocks.tokens`` rows, vocabulary slices of ``Blocks.vocab`` columns). For each slice the
    block's logits ``h_t @ W_s.T``, then one kernel folds them into each row's running maximum ``m``, sum
@@ -63,10 +64,12 @@ from typing import Any
 
 import torch
 
+from .. import _settings
 from .linear_ce_torch import TORCH_MATH, SliceMath, scale_rows_torch
 
 __all__ = ["MAX_ROW_CHUNKS", "RESCALE_MARGIN", "ROWS_WORKSPACE_BYTES", "TORCH_MATH", "WORKSPACE_BYTES", "Blocks",
-           "SliceMath", "blocks", "linear_cross_entropy", "row_chunk", "triton_math", "workspace_bytes"]
+           "SliceMath", "blocks", "linear_cross_entropy", "row_chunk", "rows_workspace_bytes", "triton_math",
+           "workspace_bytes"]
 
 WORKSPACE_BYTES = 48 * 2**20  # the least workspace; liger-kernel's chunk of logits is 62.6 MiB at 8192 x 4096 -> 128256
 # The whole-row strategy's logits: 1024 tokens x 128256 words in bf16 (250.5 MiB) in one chunk, whose matmuls run at
@@ -125,16 +128,26 @@ def blocks(n: int, hidden: int, vocab: int, element_size: int, accumulators: int
     return Blocks(tokens, _balanced(vocab, left // per_column), _balanced(vocab, budget // max(n * element_size, 1)))
 
 
+def rows_workspace_bytes() -> int:
+    """The whole-row strategy's workspace: ``TORCHPORT_LOSS_WORKSPACE_MIB`` when set, else ``ROWS_WORKSPACE_BYTES``.
+
+    Example:
+        >>> rows_workspace_bytes()   # 268435456 unless TORCHPORT_LOSS_WORKSPACE_MIB is set
+    """
+    mib = _settings.value("loss_workspace_mib")
+    return ROWS_WORKSPACE_BYTES if mib is None else int(mib * 2**20)
+
+
 def row_chunk(n: int, vocab: int, element_size: int) -> int:
     """Tokens per chunk of the whole-row strategy for ``n`` tokens of ``vocab`` logits of ``element_size`` bytes, or
     0 where the two passes run instead: no tokens, or more than ``MAX_ROW_CHUNKS`` chunks within
-    ``ROWS_WORKSPACE_BYTES``.
+    :func:`rows_workspace_bytes`.
 
     Example:
         >>> row_chunk(8192, 128256, 2), row_chunk(65536, 128256, 2)
         (1024, 0)
     """
-    most = ROWS_WORKSPACE_BYTES // max(vocab * element_size, 1)
+    most = rows_workspace_bytes() // max(vocab * element_size, 1)
     if n == 0 or most < 1:
         return 0
     rows = _balanced(n, most)
