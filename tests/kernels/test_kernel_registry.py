@@ -189,3 +189,13 @@ def test_the_choice_is_kept_until_the_setting_or_the_registry_changes(monkeypatc
         with registry._lock:
             del registry._ops["rms_norm"]["probe_impl"]
             registry._forget_choices()
+
+
+def test_host_bound_means_small_accelerator_inputs_in_auto_mode(monkeypatch):
+    small, big = torch.empty(16, 8192, device="meta"), torch.empty(17, 8192, device="meta")
+    assert registry.host_bound("rms_norm", small) and registry.host_bound("layer_norm", small)
+    assert not registry.host_bound("rms_norm", big)
+    # the CPU runs the Triton kernels only under Triton's interpreter, whose calls are the kernels under test
+    assert not registry.host_bound("rms_norm", torch.empty(4, 64))
+    monkeypatch.setenv("TORCHPORT_KERNELS", "rms_norm=triton")
+    assert not registry.host_bound("rms_norm", small) and registry.host_bound("layer_norm", small)

@@ -134,3 +134,29 @@ def test_weight_gradient_partial_sums_in_one_launch(programs, n, device):
     assert only_db[0] is None and only_db[1].dtype == torch.bfloat16
     torch.testing.assert_close(only_db[1].double().cpu(), db.double().sum(0), rtol=8e-3, atol=1e-4)
     assert norm._totals(None, None, (torch.float32, torch.float32)) == (None, None)
+
+
+@pytest.mark.parametrize(("rows", "affine_dtype", "fused"),
+                         [(16, torch.bfloat16, True), (16, None, True), (17, torch.bfloat16, False),
+                          (2, torch.float32, False)], ids=["decode", "no affine", "17 rows", "mixed dtypes"])
+def test_host_bound_calls_take_torchs_fused_operator(monkeypatch, rows, affine_dtype, fused):
+    """On an accelerator in auto mode, inputs of at most 2^17 elements go to PyTorch's fused LayerNorm (the
+    reference), whose C++ autograd node costs the host less than the Triton path."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from torchport.kernels import registry
+    from torchport.kernels.triton import norm
+
+    module = importlib.import_module("torchport.kernels.layer_norm")  # the package's name is the function
+    ran = []
+    monkeypatch.setattr(module, "layer_norm_reference", lambda x, w, b, eps: ran.append(("fused", eps)) or x)
+    monkeypatch.setattr(norm, "layer_norm", lambda x, *rest: ran.append(("triton",)) or x)
+    x = torch.empty(rows, 8192, device="meta", dtype=torch.bfloat16)  # an accelerator's tensor, never computed
+    w = b = None if affine_dtype is None else torch.empty(8192, device="meta", dtype=affine_dtype)
+    registry.implementation("layer_norm", "triton").fn(x, w, b, 1e-5)
+    assert ran == ([("fused", 1e-5)] if fused else [("triton",)])
+    ran.clear()
+    monkeypatch.setenv("TORCHPORT_KERNELS", "layer_norm=triton")  # forced: runs as forced
+    registry.implementation("layer_norm", "triton").fn(x, w, b, 1e-5)
+    assert ran == [("triton",)]

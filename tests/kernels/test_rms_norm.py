@@ -148,3 +148,42 @@ def test_npu_rows_of_fewer_than_32_bytes_take_the_reference_on_a_310p(npu):
         check_close("y", y, rms_norm_reference(x.double(), w.double(), 1e-6), torch.float16)
         torchport.kernels.rms_norm(torch.randn(3, 16, dtype=torch.float16).to(npu), torch.ones(16).half().to(npu))
         assert npu_fused_ops.calls["npu_rms_norm"] == calls + 1  # 32 bytes: fused
+
+
+@pytest.mark.parametrize(("rows", "offset", "weight_dtype", "fused"),
+                         [(2, 0.0, torch.bfloat16, True), (16, 0.0, torch.bfloat16, True),
+                          (17, 0.0, torch.bfloat16, False), (2, 1.0, torch.bfloat16, False),
+                          (2, 0.0, torch.float32, False)],
+                         ids=["decode", "16 rows", "17 rows", "gemma", "mixed dtypes"])
+def test_host_bound_calls_take_torchs_fused_operator(monkeypatch, rows, offset, weight_dtype, fused):
+    """On an accelerator in auto mode, inputs of at most 2^17 elements (16 rows of 8192) go to ``F.rms_norm``, whose
+    C++ autograd node costs the host less than the Triton path; Gemma's offset and mixed dtypes stay on Triton."""
+    pytest.importorskip("triton")
+    import importlib
+
+    from torchport.kernels import registry
+    from torchport.kernels.triton import norm
+
+    module = importlib.import_module("torchport.kernels.rms_norm")  # the package's name is the function
+    ran = []
+    monkeypatch.setattr(module, "_FUSED_RMS_NORM", lambda x, shape, w, eps: ran.append(("fused", shape, eps)) or x)
+    monkeypatch.setattr(norm, "rms_norm", lambda x, *rest: ran.append(("triton",)) or x)
+    x = torch.empty(rows, 8192, device="meta", dtype=torch.bfloat16)  # an accelerator's tensor, never computed
+    w = torch.empty(8192, device="meta", dtype=weight_dtype)
+    registry.implementation("rms_norm", "triton").fn(x, w, 1e-5, offset)
+    assert ran == ([("fused", (8192,), 1e-5)] if fused else [("triton",)])
+    ran.clear()
+    monkeypatch.setenv("TORCHPORT_KERNELS", "rms_norm=triton")  # forced: runs as forced
+    registry.implementation("rms_norm", "triton").fn(x, w, 1e-5, offset)
+    assert ran == [("triton",)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="torch's fused RMSNorm kernel runs on CUDA")
+def test_host_bound_call_on_cuda_matches_the_triton_kernel():
+    (x, w, dy), (ref, ref_dx, ref_dw) = _case((3, 123), torch.device("cuda"), torch.bfloat16)
+    y = torchport.kernels.rms_norm(x, w)
+    assert type(y.grad_fn).__name__.startswith("FusedRmsNorm")
+    dx, dw = torch.autograd.grad(y, (x, w), dy)
+    check_close("y", y, ref, torch.bfloat16)
+    check_close("dx", dx, ref_dx, torch.bfloat16)
+    check_close("dw", dw, ref_dw, torch.bfloat16)

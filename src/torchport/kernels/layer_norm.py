@@ -2,7 +2,9 @@
 
 The ``reference`` is PyTorch's own ``layer_norm`` (already one fused kernel per direction on CUDA, and torch_npu's
 fused LayerNorm on Ascend, both accumulating in float32). The ``triton`` kernel on CUDA/ROCm also folds the weight
-and bias gradients into the input-gradient pass instead of re-reading x and dy for them.
+and bias gradients into the input-gradient pass instead of re-reading x and dy for them; host-bound calls (at most
+:data:`~torchport.kernels.registry.HOST_BOUND_ELEMENTS` elements, :func:`~torchport.kernels.registry.host_bound`)
+take the reference there, whose launch and C++ autograd node cost the host less.
 
 Example:
     >>> y = torchport.kernels.layer_norm(x, weight, bias, eps=1e-5)
@@ -40,6 +42,10 @@ def _layer_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bo
 def _layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        eps: float) -> torch.Tensor:
     from .triton import norm
+
+    # Host-bound calls (decode) take PyTorch's fused LayerNorm, whose C++ autograd node costs the host less
+    if all(t is None or t.dtype == x.dtype for t in (weight, bias)) and registry.host_bound("layer_norm", x):
+        return layer_norm_reference(x, weight, bias, eps)
 
     return norm.layer_norm(x, weight, bias, eps, layer_norm_reference)
 

@@ -42,6 +42,7 @@ from ._implementation import (Implementation, KernelError, Unsupported, fused_op
 from .spec import OpSpec
 
 __all__ = [
+    "HOST_BOUND_ELEMENTS",
     "Implementation",
     "KernelError",
     "Unsupported",
@@ -52,6 +53,7 @@ __all__ = [
     "fused_op",
     "fused_op_reason",
     "fused_op_unavailable",
+    "host_bound",
     "implementation",
     "kernel_modes",
     "list_kernels",
@@ -364,6 +366,23 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
     except Exception as exc:
         _failed(op, impl, device, exc, "backward")
         return None
+
+
+#: The most elements an input may have for :func:`host_bound` to call its call host-bound.
+HOST_BOUND_ELEMENTS = 2**17
+
+
+def host_bound(op: str, x: torch.Tensor) -> bool:
+    """Whether ``op`` on ``x`` is a call whose pace the host sets, not the device: at most ``HOST_BOUND_ELEMENTS``
+    elements on an accelerator (decode-sized rows: 16 x 8192), in auto mode (a forced implementation runs as
+    forced). An implementation with a cheaper launch for such calls takes it there: the Triton norms hand them to
+    torch's fused operator, whose C++ autograd node costs the host a third of the Triton path's Python forward and
+    backward, for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue 23 item 2).
+
+    Example:
+        >>> host_bound("rms_norm", torch.empty(1, 4096, device="cuda"))   # True in auto mode
+    """
+    return x.numel() <= HOST_BOUND_ELEMENTS and x.device.type != "cpu" and not forced(op)
 
 
 def forced(op: str) -> bool:

@@ -1,7 +1,9 @@
 """RMSNorm: ``y = x / sqrt(mean(x²) + eps) * (offset + weight)``, computed in float32 and cast back to x's dtype.
 
 ``offset=0`` is Llama's form (weights start at 1), ``offset=1`` Gemma's (weights start at 0). Implementations:
-``triton`` on CUDA/ROCm (see :mod:`torchport.kernels.triton.norm` for the bytes it moves), ``npu`` through
+``triton`` on CUDA/ROCm (see :mod:`torchport.kernels.triton.norm` for the bytes it moves; host-bound calls of at most
+:data:`~torchport.kernels.registry.HOST_BOUND_ELEMENTS` elements without Gemma's offset go to torch's fused
+``F.rms_norm`` instead, see :func:`~torchport.kernels.registry.host_bound`), ``npu`` through
 ``torch_npu.npu_rms_norm`` on Ascend, and the ``reference`` below everywhere else.
 
 Example:
@@ -11,6 +13,7 @@ Example:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..backends.npu import device_chip, operator_limits
@@ -38,10 +41,18 @@ def _rms_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool
     return dx, dw
 
 
+_FUSED_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4; one fused kernel each way on CUDA from 2.9
+
+
 @registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20, backward=_rms_norm_triton_backward)
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                      in_place: bool = False) -> torch.Tensor:
     from .triton import norm
+
+    # Host-bound calls (decode) take torch's fused operator: its forward and C++ autograd node cost the host what
+    # LayerNorm's do. Gemma's offset stays here: 1 + weight rounded to a 16-bit weight would lose its precision.
+    if offset == 0.0 and _FUSED_RMS_NORM is not None and weight.dtype == x.dtype and registry.host_bound("rms_norm", x):
+        return _FUSED_RMS_NORM(x, (x.shape[-1],), weight, eps)
 
     return norm.rms_norm(x, weight, eps, offset, in_place, rms_norm_reference)
 
