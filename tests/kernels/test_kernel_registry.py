@@ -199,3 +199,6 @@ def test_host_bound_means_small_accelerator_inputs_in_auto_mode(monkeypatch):
     assert not registry.host_bound("rms_norm", torch.empty(4, 64))
     monkeypatch.setenv("TORCHPORT_KERNELS", "rms_norm=triton")
     assert not registry.host_bound("rms_norm", small) and registry.host_bound("layer_norm", small)
+    # under autocast PyTorch's operators follow its casting policy, which the Triton kernels do not: no switch
+    monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type: device_type == "meta")
+    assert not registry.host_bound("layer_norm", small)

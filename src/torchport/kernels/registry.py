@@ -375,14 +375,25 @@ HOST_BOUND_ELEMENTS = 2**17
 def host_bound(op: str, x: torch.Tensor) -> bool:
     """Whether ``op`` on ``x`` is a call whose pace the host sets, not the device: at most ``HOST_BOUND_ELEMENTS``
     elements on an accelerator (decode-sized rows: 16 x 8192), in auto mode (a forced implementation runs as
-    forced). An implementation with a cheaper launch for such calls takes it there: the Triton norms hand them to
-    torch's fused operator, whose C++ autograd node costs the host a third of the Triton path's Python forward and
-    backward, for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue 23 item 2).
+    forced), outside autocast. An implementation with a cheaper launch for such calls takes it there: the Triton
+    norms hand them to torch's fused operator, whose C++ autograd node costs the host a third of the Triton path's
+    Python forward and backward, for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue
+    23 item 2).
 
     Example:
         >>> host_bound("rms_norm", torch.empty(1, 4096, device="cuda"))   # True in auto mode
     """
-    return x.numel() <= HOST_BOUND_ELEMENTS and x.device.type != "cpu" and not forced(op)
+    return x.numel() <= HOST_BOUND_ELEMENTS and x.device.type != "cpu" and not forced(op) \
+        and not _autocasting(x.device.type)
+
+
+def _autocasting(device_type: str) -> bool:
+    """Whether autocast is on for ``device_type``: PyTorch's operators then follow its casting policy (CUDA runs
+    LayerNorm in float32), which a Triton kernel does not, so a call's output dtype would depend on its size."""
+    try:
+        return torch.is_autocast_enabled(device_type)
+    except (RuntimeError, ValueError, TypeError):  # a device type autocast does not know (meta, a plugin's)
+        return False
 
 
 def forced(op: str) -> bool:
