@@ -368,7 +368,7 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
         return None
 
 
-#: The most elements an input may have for :func:`host_bound` to call its call host-bound.
+#: The most elements of an input whose call :func:`host_bound` counts as host-bound (16 rows of 8192).
 HOST_BOUND_ELEMENTS = 2**17
 
 

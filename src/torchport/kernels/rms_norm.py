@@ -41,7 +41,8 @@ def _rms_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool
     return dx, dw
 
 
-_FUSED_RMS_NORM = getattr(F, "rms_norm", None)  # torch >= 2.4; one fused kernel each way on CUDA from 2.9
+# torch >= 2.4; on CUDA one fused kernel each way and a C++ autograd node (FusedRmsNormBackward0 in torch 2.11)
+_FUSED_RMS_NORM = getattr(F, "rms_norm", None)
 
 
 @registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20, backward=_rms_norm_triton_backward)
