@@ -26,9 +26,15 @@ import re
 from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
-__all__ = ["LOG_TOPICS", "MODES", "ROWS", "Row", "Settings", "VARIABLES", "cache_dir", "environment",
+__all__ = ["LOG_TOPICS", "MODES", "ROWS", "Row", "SettingError", "Settings", "VARIABLES", "cache_dir", "environment",
            "get", "kernel_modes", "logging_enabled", "markdown_table", "override", "parse_device_spec", "source",
            "value"]
+
+class SettingError(ValueError):
+    """An invalid value of a ``TORCHPORT_*`` variable (or of its :func:`override`): the message names the variable
+    and the values it takes. Read inside a kernel, it is the caller's error, never a kernel failing (the kernel
+    registry raises it instead of falling back)."""
+
 
 _DEVICE_SPEC = re.compile(r"^(?P<type>[a-z][a-z0-9_]*)(?::(?P<index>\d+))?$")
 _SIMULATABLE = ("npu",)
@@ -292,7 +298,12 @@ def _validate(name: str, value: Any, source: str) -> Any:
     row = _ROWS[name]
     if value is None or value == "":
         return row.default_value()
-    return row.parse(value, source)
+    try:
+        return row.parse(value, source)
+    except SettingError:
+        raise
+    except ValueError as exc:  # the parsers' errors, which name the variable and its values
+        raise SettingError(*exc.args) from None
 
 
 def value(name: str) -> Any:

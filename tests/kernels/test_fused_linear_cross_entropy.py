@@ -308,6 +308,22 @@ def test_loss_dtype_float32_for_16_bit_inputs(reduction, device, flce_impl, smal
     assert h.grad.dtype == w.grad.dtype == b.grad.dtype == torch.bfloat16
 
 
+def _rounding_errors(n, h, v, dtype, seed, device):
+    """{"dhidden", "dweight": (relative error, floor)} of the fused loss's gradients in ``dtype`` (a mean over n
+    random tokens) against the exact float64 ones; the floor is the error of rounding the exact gradient once."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=gen).to(dtype)
+    weight = (torch.randn(v, h, generator=gen) / h**0.5).to(dtype)
+    t = torch.randint(0, v, (n,), generator=gen)
+    ref_in = [x.double().requires_grad_() for x in (hidden, weight)]
+    expected(*ref_in, None, t, 0.0, "mean").backward()
+    hh, ww = leaves((hidden, weight), device, dtype)
+    torchport.kernels.fused_linear_cross_entropy(hh, ww, t.to(device)).backward()
+    return {name: (float((got.cpu().double() - want).norm() / want.norm()),
+                   float((want.to(dtype).double() - want).norm() / want.norm()))
+            for name, got, want in (("dhidden", hh.grad, ref_in[0].grad), ("dweight", ww.grad, ref_in[1].grad))}
+
+
 @pytest.mark.parametrize("strategy", ["columns", "rows"])
 def test_gradient_rounding(strategy, device, monkeypatch):
     """bf16 gradients against one rounding of the exact gradient (the floor). The two passes round each gradient
@@ -320,18 +336,7 @@ def test_gradient_rounding(strategy, device, monkeypatch):
     if strategy == "rows":
         monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", n // flce_module.MAX_ROW_CHUNKS * v * 2)
         assert flce_module.row_chunk(n, v, 2) == n // flce_module.MAX_ROW_CHUNKS
-    gen = torch.Generator().manual_seed(3)
-    hidden = torch.randn(n, h, generator=gen).bfloat16()
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).bfloat16()
-    t = torch.randint(0, v, (n,), generator=gen)
-    ref_in = [x.double().requires_grad_() for x in (hidden, weight)]
-    expected(*ref_in, None, t, 0.0, "mean").backward()
-    hh, ww = leaves((hidden, weight), device, torch.bfloat16)
-    fused = torchport.kernels.fused_linear_cross_entropy(hh, ww, t.to(device))
-    fused.backward()
-    for name, got, want in (("dhidden", hh.grad, ref_in[0].grad), ("dweight", ww.grad, ref_in[1].grad)):
-        floor = float((want.bfloat16().double() - want).norm() / want.norm())
-        err = float((got.cpu().double() - want).norm() / want.norm())
+    for name, (err, floor) in _rounding_errors(n, h, v, torch.bfloat16, 3, device).items():
         assert err <= 3 * floor, f"{name}: relative error {err:.2e} > 3 x {floor:.2e}"
 
 
@@ -384,18 +389,7 @@ def test_float16_mean_over_many_tokens(device):
     """A float16 mean over 2048 tokens: scale · dlogits (1/2048 times probabilities of 1/20000) lies below float16's
     smallest value, so float16 runs the two passes, which scale in float32: dhidden within 3x one rounding of the
     exact gradient (the whole-row strategy measured 42x here)."""
-    gen = torch.Generator().manual_seed(5)
-    n, h, v = 2048, 32, 20000
-    hidden = torch.randn(n, h, generator=gen).half()
-    weight = (torch.randn(v, h, generator=gen) / h**0.5).half()
-    t = torch.randint(0, v, (n,), generator=gen)
-    ref_in = [x.double().requires_grad_() for x in (hidden, weight)]
-    expected(*ref_in, None, t, 0.0, "mean").backward()
-    hh, ww = leaves((hidden, weight), device, torch.float16)
-    torchport.kernels.fused_linear_cross_entropy(hh, ww, t.to(device)).backward()
-    want = ref_in[0].grad
-    floor = float((want.half().double() - want).norm() / want.norm())
-    err = float((hh.grad.cpu().double() - want).norm() / want.norm())
+    err, floor = _rounding_errors(2048, 32, 20000, torch.float16, 5, device)["dhidden"]
     assert err <= 3 * floor, f"dhidden: relative error {err:.2e} > 3 x {floor:.2e}"
 
 
@@ -426,11 +420,13 @@ def test_row_chunk_follows_the_setting(monkeypatch):
 
 @pytest.mark.parametrize("value", ["-1", "lots", "inf"])
 def test_an_invalid_workspace_setting_is_the_callers_error(monkeypatch, value):
-    """Raised by the call, naming the variable and what it takes; not taken for a failing kernel (no fallback)."""
+    """Raised by a call that reads it (one whose head's weight wants a gradient), naming the variable and what it
+    takes; the kernel registry does not take it for a failing kernel (no fallback to the reference)."""
     monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", value)
     hidden, weight, _, t = make(5, 8, 40)
+    h, w = leaves((hidden, weight), torch.device("cpu"), torch.float32)
     with pytest.raises(ValueError, match="TORCHPORT_LOSS_WORKSPACE_MIB=.*a number of MiB, 0 or more"):
-        torchport.kernels.fused_linear_cross_entropy(hidden, weight, t)
+        torchport.kernels.fused_linear_cross_entropy(h, w, t)
 
 
 def test_frozen_hidden_and_no_grad(device, flce_impl, small_chunks):

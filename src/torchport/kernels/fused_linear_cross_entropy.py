@@ -39,7 +39,7 @@ from .checks import capturing, check_floating, check_same_device, check_same_dty
 from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
                             mark_bad_targets, per_row_losses)
 from .linear_ce_passes import (RESCALE_MARGIN, TORCH_MATH, Blocks, blocks, linear_cross_entropy, row_chunk,
-                               rows_workspace_bytes, triton_math, workspace_bytes)
+                               triton_math, workspace_bytes)
 from .spec import CustomOp, OpSpec, randn, targets
 
 __all__ = ["RESCALE_MARGIN", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
@@ -152,8 +152,6 @@ def fused_linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targe
         raise ValueError(f"{op}: softcap={softcap!r} must be a number > 0, or None for no soft-capping")
     if loss_dtype is not None and not (isinstance(loss_dtype, torch.dtype) and loss_dtype.is_floating_point):
         raise TypeError(f"{op}: loss_dtype={loss_dtype!r} must be a floating dtype (torch.float32, ...) or None")
-    if not torch.compiler.is_dynamo_compiling():
-        rows_workspace_bytes()  # read again by the passes: an invalid setting is the caller's error, not a fallback
     divisor = count = None
     if num_items_in_batch is not None:
         if reduction == "none":

@@ -41,11 +41,10 @@ def _layer_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bo
 @registry.register_kernel("layer_norm", "triton", devices=["cuda"], priority=20, backward=_layer_norm_triton_backward)
 def _layer_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None,
                        eps: float) -> torch.Tensor:
-    from .triton import norm
-
     # Host-bound calls (decode) take PyTorch's fused LayerNorm, whose C++ autograd node costs the host less
     if all(t is None or t.dtype == x.dtype for t in (weight, bias)) and registry.host_bound("layer_norm", x):
         return layer_norm_reference(x, weight, bias, eps)
+    from .triton import norm
 
     return norm.layer_norm(x, weight, bias, eps, layer_norm_reference)
 

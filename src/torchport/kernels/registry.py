@@ -314,14 +314,15 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
 
     Arguments must already be validated by the op's public function: an implementation's failure is then the
     implementation's, never the caller's. Out-of-memory errors are raised, not retried with the reference (which
-    needs more memory).
+    needs more memory), and so is an invalid setting that an implementation reads
+    (:class:`torchport._settings.SettingError`).
     """
     impl = select(op, device)
     if impl.name == "reference":
         return impl.fn(*args)
     try:
         return impl.fn(*args)
-    except (torch.OutOfMemoryError, *_CONTROL_FLOW):
+    except (torch.OutOfMemoryError, _settings.SettingError, *_CONTROL_FLOW):
         raise
     except Exception as exc:
         _failed(op, impl, device, exc, "")
@@ -359,7 +360,7 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
         return None
     try:
         return impl.backward(grads, needs, *args)
-    except (torch.OutOfMemoryError, *_CONTROL_FLOW):
+    except (torch.OutOfMemoryError, _settings.SettingError, *_CONTROL_FLOW):
         raise
     except Unsupported:
         return None

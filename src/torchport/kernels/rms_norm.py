@@ -41,19 +41,15 @@ def _rms_norm_triton_backward(grads: tuple[torch.Tensor, ...], needs: tuple[bool
     return dx, dw
 
 
-# torch >= 2.4; on CUDA one fused kernel each way and a C++ autograd node (FusedRmsNormBackward0 in torch 2.11)
-_FUSED_RMS_NORM = getattr(F, "rms_norm", None)
-
-
 @registry.register_kernel("rms_norm", "triton", devices=["cuda"], priority=20, backward=_rms_norm_triton_backward)
 def _rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float = 0.0,
                      in_place: bool = False) -> torch.Tensor:
+    # Host-bound calls (decode) take torch's fused operator (on CUDA one kernel each way and a C++ autograd node,
+    # FusedRmsNormBackward0 in torch 2.11): it costs the host what LayerNorm does. Gemma's offset stays here:
+    # 1 + weight rounded to a 16-bit weight would lose its precision.
+    if offset == 0.0 and weight.dtype == x.dtype and registry.host_bound("rms_norm", x):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
     from .triton import norm
-
-    # Host-bound calls (decode) take torch's fused operator: its forward and C++ autograd node cost the host what
-    # LayerNorm's do. Gemma's offset stays here: 1 + weight rounded to a 16-bit weight would lose its precision.
-    if offset == 0.0 and _FUSED_RMS_NORM is not None and weight.dtype == x.dtype and registry.host_bound("rms_norm", x):
-        return _FUSED_RMS_NORM(x, (x.shape[-1],), weight, eps)
 
     return norm.rms_norm(x, weight, eps, offset, in_place, rms_norm_reference)
 
