@@ -19,6 +19,12 @@ counted (in a model the decode step is replayed from one graph as well), in two 
 ``--prefill-rows`` adds, per layer, one call of that many rows (eager, autotuned): bf16, and each format's choice
 (``*_prefill_kernel``: 4 = dequantise + matmul, 5 = the decode-in-prologue GEMM).
 
+``--read-ceiling`` adds, to each one-row line, how fast one kernel launch can merely read the stored bytes cold:
+the fastest of a set of Triton read-only kernels (every int32 word loaded and xor-ed, one word written per program)
+over the same number of bytes, timed the same cold way (``bf16_read_us``, ``<format>_read_us``), and
+``<format>_bound_x`` = bf16 ``F.linear`` time / that read time: the highest one-row speed-up over bf16 that a kernel
+reading its weight once in one launch could reach on this machine.
+
     PYTHONPATH=$PWD/src python3 benchmarks/bench_lowbit_kernels.py --json benchmarks/results/lowbit_kernels.json
 """
 
@@ -67,6 +73,43 @@ def copies(nbytes: int) -> int:
     return max(2, min(64, -(-_COLD_BYTES // nbytes)))
 
 
+_READ_KERNEL = None
+
+
+def read_ms(nbytes: int) -> tuple[float, dict]:
+    """(milliseconds, configuration) of the fastest read-only kernel over ``nbytes`` stored bytes, cold."""
+    global _READ_KERNEL
+    import triton
+    import triton.language as tl
+
+    if _READ_KERNEL is None:
+        @triton.jit
+        def read_words(p, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+            pid = tl.program_id(0).to(tl.int64)
+            acc = tl.zeros([BLOCK], tl.int32)
+            for i in tl.static_range(ITERS):  # unrolled: every load of the program issued before the xor waits
+                offs = pid * BLOCK * ITERS + i * BLOCK + tl.arange(0, BLOCK)
+                acc ^= tl.load(p + offs, mask=offs < n, other=0)
+            tl.store(out + pid, tl.xor_sum(acc, 0))
+
+        _READ_KERNEL = read_words
+    n = nbytes // 4
+    bufs = [torch.randint(-2**31, 2**31 - 1, (n,), device="cuda", dtype=torch.int32) for _ in range(copies(nbytes))]
+    best = (float("inf"), {})
+    for block in (512, 1024, 2048):  # the fastest on an H100 for 2 MB to 1 GB (a wider sweep: RESULTS.md)
+        for iters in (1, 2):
+            for warps in (2, 4, 8):
+                if block < 128 * warps or block > 2048 * warps:  # 4 to 64 words a thread per load
+                    continue
+                grid = (triton.cdiv(n, block * iters),)
+                out = torch.empty(grid[0], device="cuda", dtype=torch.int32)
+                ms = cold_ms([lambda b=b: _READ_KERNEL[grid](b, out, n, BLOCK=block, ITERS=iters, num_warps=warps)
+                              for b in bufs])
+                if ms < best[0]:
+                    best = (ms, {"BLOCK": block, "ITERS": iters, "num_warps": warps})
+    return best
+
+
 def eager_ms(fn) -> float:
     import triton
 
@@ -74,7 +117,7 @@ def eager_ms(fn) -> float:
     return triton.testing.do_bench(fn, return_mode="median")
 
 
-def run(rows_list: list[int], prefill_rows: int | None) -> list[dict]:
+def run(rows_list: list[int], prefill_rows: int | None, read_ceiling: bool = False) -> list[dict]:
     from torchport.kernels.triton import lowbit, lowbit_tuning
     from torchport.quant.formats import get_format
 
@@ -102,6 +145,12 @@ def run(rows_list: list[int], prefill_rows: int | None) -> list[dict]:
                 warm = graph_ms(lambda: torch.nn.functional.linear(x, w))
                 row = {"n": n, "k": k, "m": m, "bf16_us": round(base * 1e3, 2), "bf16_GBs": round(n * k * 2 / base / 1e6),
                        "bf16_warm_us": round(warm * 1e3, 2)}
+                if read_ceiling and m == 1:
+                    row["bf16_read_us"] = round(read_ms(n * k * 2)[0] * 1e3, 2)
+                    for name, (_, _, nbytes) in packed.items():
+                        ms, config = read_ms(nbytes)
+                        row.update({f"{name}_read_us": round(ms * 1e3, 2), f"{name}_read_config": config,
+                                    f"{name}_bound_x": round(base / ms, 3)})
             for name, (group, ts, nbytes) in packed.items():
                 t = ts[0]
                 ref = torch.nn.functional.linear(x.float(), lowbit.dequantize(t, name, group, torch.float32))
@@ -144,13 +193,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", default=None, help="comma-separated NxK, e.g. 4096x4096,1024x4096")
     parser.add_argument("--prefill-rows", type=int, default=2048, help="0: no prefill row")
+    parser.add_argument("--read-ceiling", action="store_true",
+                        help="time a read-only kernel over each one-row line's stored bytes (the line's bound)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_lowbit_kernels.py times the CUDA kernels: it needs a CUDA GPU")
     if args.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(args.rows, args.prefill_rows)
+    rows = run(args.rows, args.prefill_rows or None, args.read_ceiling)
     print(table(rows))
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": "cold: CUDA graph of one call per "

@@ -72,6 +72,7 @@ def cases(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], No
         "torchport rms_norm fwd+bwd": lambda: kernels.rms_norm(x, w).backward(dy),
         "torchport layer_norm fwd+bwd": lambda: kernels.layer_norm(x, w, b).backward(dy),
         "torchport swiglu fwd+bwd": lambda: kernels.swiglu(x, b.expand(4, 64)).backward(dy),
+        "torchport geglu fwd+bwd": lambda: kernels.geglu(x, b.expand(4, 64)).backward(dy),
         "torchport rope fwd+bwd": lambda: sum(o.sum() for o in kernels.rope(q, k, cos, sin)).backward(),
         "torchport cross_entropy fwd+bwd": lambda: kernels.cross_entropy(logits, target).backward(),
     }

@@ -87,6 +87,62 @@ def test_in_place_misuse_fails_loudly(device, impl):
         (out.sum() + other.sum()).backward()
 
 
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+@pytest.mark.parametrize("rows,forced,torchs", [(16, False, True), (17, False, False), (2, True, False)],
+                         ids=["16 rows", "17 rows", "forced"])
+def test_host_bound_calls_take_torchs_operators(monkeypatch, op, rows, forced, torchs):
+    """On an accelerator in auto mode, inputs of at most 2^17 elements (16 rows of 8192) go to torch's activation
+    and product, whose C++ autograd nodes cost the host less than the Triton path; a forced ``triton`` runs as
+    forced."""
+    pytest.importorskip("triton")
+    from torchport.kernels import glu as module
+    from torchport.kernels import registry
+    from torchport.kernels.triton import glu
+
+    ran = []
+    monkeypatch.setattr(module.F, "silu", lambda g: ran.append(("torch", "silu")) or g)
+    monkeypatch.setattr(module.F, "gelu", lambda g, approximate: ran.append(("torch", approximate)) or g)
+    monkeypatch.setattr(glu, "glu", lambda gate, up, gelu, *rest: ran.append(("triton", gelu)) or gate)
+    if forced:
+        monkeypatch.setenv("TORCHPORT_KERNELS", f"{op}=triton")
+    gate = torch.empty(rows, 8192, device="meta", dtype=torch.bfloat16)  # an accelerator's tensor, never computed
+    out = registry.implementation(op, "triton").fn(gate, torch.empty_like(gate), False)
+    assert out.shape == gate.shape
+    assert ran == ([("torch", "silu" if op == "swiglu" else "tanh")] if torchs else [("triton", op == "geglu")])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-bound route is taken on an accelerator")
+@pytest.mark.parametrize("op", ["swiglu", "geglu"])
+def test_host_bound_call_on_cuda_against_float64(monkeypatch, op):
+    """A decode-sized call outside a graph runs torch's operators (autograd's C++ nodes) and stays within bf16's
+    tolerance of the float64 reference; captured in a CUDA graph, the same call runs the Triton kernel."""
+    from torchport.kernels.triton import glu
+
+    inputs, dout, ref, (ref_dgate, ref_dup) = _case(op, (3, 123), torch.device("cuda"), torch.bfloat16)
+    launched = []
+    kernel = glu.glu
+    monkeypatch.setattr(glu, "glu", lambda *args: launched.append(args[2]) or kernel(*args))
+    out = getattr(torchport.kernels, op)(*inputs)
+    assert type(out.grad_fn).__name__ == "MulBackward0" and launched == []
+    dgate, dup = torch.autograd.grad(out, inputs, dout)
+    check_close("out", out, ref, torch.bfloat16)
+    check_close("dgate", dgate, ref_dgate, torch.bfloat16)
+    check_close("dup", dup, ref_dup, torch.bfloat16)
+    gate, up = (t.detach() for t in inputs)
+    with monkeypatch.context() as forced:  # the kernel compiled (and tuned) before the capture
+        forced.setenv("TORCHPORT_KERNELS", f"{op}=triton")
+        getattr(torchport.kernels, op)(gate, up)
+    torch.cuda.synchronize()
+    launched.clear()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = getattr(torchport.kernels, op)(gate, up)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert launched == [op == "geglu"]
+    check_close("captured", captured, ref, torch.bfloat16)
+
+
 def test_modules_and_bad_input(device):
     gate, up = torch.randn(2, 9, device=device), torch.randn(2, 9, device=device)
     check_close("swiglu", torchport.kernels.SwiGLU()(gate, up), swiglu_reference(gate.cpu().double(),

@@ -1,7 +1,9 @@
 """Gated activations of LLM MLPs: ``swiglu(gate, up) = silu(gate) * up`` and ``geglu(gate, up) = gelu_tanh(gate) * up``.
 
 Implementations: ``triton`` on CUDA/ROCm (one fused kernel each way; :mod:`torchport.kernels.triton.glu` counts
-the bytes), ``npu`` for SwiGLU through ``torch_npu.npu_swiglu`` on Ascend, and the ``reference`` below.
+the bytes; host-bound calls of at most :data:`~torchport.kernels.registry.HOST_BOUND_ELEMENTS` elements go to torch's
+own activation and product instead, see :func:`~torchport.kernels.registry.host_bound`), ``npu`` for SwiGLU through
+``torch_npu.npu_swiglu`` on Ascend, and the ``reference`` below.
 
 Example:
     >>> h = torchport.kernels.swiglu(gate_proj(x), up_proj(x))
@@ -45,6 +47,11 @@ def _triton_backward(gelu: bool):
 
 @registry.register_kernel("swiglu", "triton", devices=["cuda"], priority=20, backward=_triton_backward(False))
 def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    # Host-bound calls (decode outside a CUDA graph, tiny batches) take torch's two operators: their C++ autograd
+    # nodes cost the host a fraction of the Triton path's Python Function. The result is rounded where the model's
+    # own ``act_fn(gate_proj(x)) * up_proj(x)`` rounds it: after the activation and after the product.
+    if registry.host_bound("swiglu", gate):
+        return F.silu(gate) * up
     from .triton import glu
 
     return glu.glu(gate, up, False, in_place, swiglu_reference)
@@ -52,6 +59,8 @@ def _swiglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False)
 
 @registry.register_kernel("geglu", "triton", devices=["cuda"], priority=20, backward=_triton_backward(True))
 def _geglu_triton(gate: torch.Tensor, up: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    if registry.host_bound("geglu", gate):  # as for SwiGLU
+        return F.gelu(gate, approximate="tanh") * up
     from .triton import glu
 
     return glu.glu(gate, up, True, in_place, geglu_reference)

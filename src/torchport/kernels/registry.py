@@ -39,6 +39,7 @@ from .. import _settings
 from .._registry import Registry
 from ._implementation import (Implementation, KernelError, Unsupported, fused_op, fused_op_reason,
                               fused_op_unavailable, triton_reason)
+from .checks import capturing
 from .spec import OpSpec
 
 __all__ = [
@@ -376,16 +377,17 @@ HOST_BOUND_ELEMENTS = 2**17
 def host_bound(op: str, x: torch.Tensor) -> bool:
     """Whether ``op`` on ``x`` is a call whose pace the host sets, not the device: at most ``HOST_BOUND_ELEMENTS``
     elements on an accelerator (decode-sized rows: 16 x 8192), in auto mode (a forced implementation runs as
-    forced), outside autocast. An implementation with a cheaper launch for such calls takes it there: the Triton
-    norms hand them to torch's fused operator, whose C++ autograd node costs the host a third of the Triton path's
-    Python forward and backward, for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue
-    23 item 2).
+    forced), outside autocast, and not while the device's stream captures a graph (a replay costs the host nothing
+    per kernel, so there only device time counts). An implementation with a cheaper launch for such calls takes it
+    there: the Triton norms hand them to torch's fused operator and the gated activations to torch's two
+    operators, whose C++ autograd nodes cost the host a fraction of the Triton path's Python forward and backward,
+    for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue 23 item 2).
 
     Example:
         >>> host_bound("rms_norm", torch.empty(1, 4096, device="cuda"))   # True in auto mode
     """
     return x.numel() <= HOST_BOUND_ELEMENTS and x.device.type != "cpu" and not forced(op) \
-        and not _autocasting(x.device.type)
+        and not _autocasting(x.device.type) and not capturing(x.device)
 
 
 def _autocasting(device_type: str) -> bool:
