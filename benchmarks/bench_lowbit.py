@@ -10,7 +10,10 @@ embedding stays bf16. For each contender:
   in the default mode (each layer dequantises its weight per call and drops it: weight memory unchanged), and with
   ``QuantizedLinear.cache_dequantized`` (the dense weight kept after the first call: its extra memory is reported);
 * **kernel profile** (``--profile``, CUDA): the GPU time of one prefill and of one eager decode step summed over
-  their kernels, and the ten kernels that take the most, to set beside the wall-clock figures;
+  their kernels, and the ten kernels that take the most, to set beside the wall-clock figures. The profiles run
+  after every contender's timings, on the models made again: once a ``torch.profiler`` session with CUDA activity
+  has run, the process keeps CUPTI attached (PyTorch does not finalise it: pytorch/pytorch#144455), which slows
+  the host's launches of everything timed afterwards;
 * **weight memory**: device bytes held by the model (``memory_allocated`` before and after building it), and the
   bytes of the linear layers alone;
 * **accuracy**: logits of a 256-token prompt against the bf16 model's: relative error (Frobenius) and the mean
@@ -319,8 +322,6 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens, runs)
             row.update(runs)
             row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
-            if args.profile and device.type == "cuda":
-                row.update(kernel_profile(model, device, args.prefill_tokens, prompt[:, :64]))
             if name.startswith("torchport-"):
                 row.update(measure_cached_prefill(model, device, args.prefill_tokens))
         except Exception as exc:  # one contender failing must not lose the others' figures
@@ -331,6 +332,21 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             torchport.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
+    if args.profile and device.type == "cuda":  # last: see the module's docstring
+        for row in rows:
+            if "error" in row:
+                continue
+            try:
+                model = base if row["contender"] == "bf16" else make(base, row["contender"])
+                row.update(kernel_profile(model, device, args.prefill_tokens, prompt[:, :64]))
+            except Exception as exc:  # noqa: BLE001 - a failing profile must not lose the timings
+                row["profile_error"] = f"{type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                model = None
+                gc.collect()
+                torchport.empty_cache()
+            profiled = {k: v for k, v in row.items() if k.startswith(("contender", "prefill_gpu", "decode_gpu"))}
+            print(json.dumps(profiled), flush=True)
     bf16 = rows[0]
     for row in rows:
         if "error" in row or "error" in bf16:
