@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ def _torchport_executable() -> str | None:
     return str(beside) if beside.exists() else shutil.which("torchport")
 
 
-def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python) -> None:
+def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python, launch_ranks) -> None:
     executable = _torchport_executable()
     if executable is None:
         pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
@@ -32,11 +33,11 @@ def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python) ->
     fields = single.stdout.split()  # rank 0 world 1 loss L weight W allreduce 3.000000
     loss, weight = fields[fields.index("loss") + 1], fields[fields.index("weight") + 1]
 
-    result = run_python(
+    result = launch_ranks(lambda: run_python(
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
         executable, "run", "--device", "cpu", str(HERE / "corpus" / "ddp_nccl.py"),
         cwd=tmp_path, timeout=180,
-    )
+    ))
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     # both ranks write to one pipe: their lines can interleave, so find the records rather than split lines
     ranks = sorted(re.findall(r"rank \d+ world \d+ loss \S+ weight \S+ allreduce [0-9.]+", result.stdout))
@@ -45,7 +46,8 @@ def test_two_ranks_asking_for_nccl_run_on_the_cpu(tmp_path: Path, run_python) ->
     )
 
 
-def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cpu(tmp_path: Path, run_python) -> None:
+def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cpu(tmp_path: Path, run_python,
+                                                                                   launch_ranks) -> None:
     executable = _torchport_executable()
     if executable is None:
         pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
@@ -54,11 +56,11 @@ def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cp
     want = [float(loss) for loss in re.findall(r"step \d+ loss ([0-9.]+)", single.stdout)]
     assert len(want) == 3, single.stdout
 
-    result = run_python(
+    result = launch_ranks(lambda: run_python(
         "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python",
         executable, "run", "--device", "cpu", str(HERE / "corpus" / "tensor_parallel.py"),
         cwd=tmp_path, timeout=180,
-    )
+    ))
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"exit {result.returncode}\n{output}"
     for rank in (0, 1):
@@ -69,15 +71,32 @@ def test_two_ranks_of_a_tensor_parallel_script_that_wants_two_gpus_run_on_the_cp
         assert f"rank {rank} dropout zeros or twos True" in result.stdout, output
 
 
-def test_two_ranks_of_the_ddp_tutorial_run_on_the_cpu_as_its_port_does(tmp_path: Path, run_python) -> None:
+def test_two_ranks_of_the_ddp_tutorial_run_on_the_cpu_as_its_port_does(tmp_path: Path, run_python,
+                                                                        launch_ranks) -> None:
     # nccl, device ids from rank % device_count(), .to(int), DDP(device_ids=[int]), map_location={"cuda:0": ...}
     executable = _torchport_executable()
     if executable is None:
         pytest.skip("no `torchport` console script beside sys.executable nor on PATH (pip install -e .)")
     launch = ("-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2")
-    port = run_python(*launch, str(HERE / "corpus_cpu" / "ddp_torchrun.py"), cwd=tmp_path, timeout=180)
+    port = launch_ranks(lambda: run_python(*launch, str(HERE / "corpus_cpu" / "ddp_torchrun.py"), cwd=tmp_path,
+                                           timeout=180))
     assert port.returncode == 0, port.stderr
-    result = run_python(*launch, "--no-python", executable, "run", "--device", "cpu",
-                        str(HERE / "corpus" / "ddp_torchrun.py"), cwd=tmp_path, timeout=180)
+    result = launch_ranks(lambda: run_python(*launch, "--no-python", executable, "run", "--device", "cpu",
+                                             str(HERE / "corpus" / "ddp_torchrun.py"), cwd=tmp_path, timeout=180))
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
     assert result.stdout == port.stdout and port.stdout.startswith("mean loss "), result.stdout + port.stdout
+
+
+def test_only_a_rank_aborting_at_exit_launches_again(launch_ranks) -> None:
+    aborted = "terminate called without an active exception\n  exitcode  : -6 (pid: 1)  (SIGABRT)\n"
+
+    def launches(*results: tuple[int, str]):
+        queue = [subprocess.CompletedProcess(["torchrun"], code, "", err) for code, err in results]
+        return lambda: queue.pop(0), queue
+
+    launch, left = launches((1, aborted), (0, ""))
+    assert launch_ranks(launch).returncode == 0 and not left
+    launch, left = launches((1, "RuntimeError: mismatch\n  exitcode  : 1"), (0, ""))
+    assert launch_ranks(launch).returncode == 1 and len(left) == 1  # any other failure is the test's to report
+    launch, left = launches((1, aborted), (1, aborted), (1, aborted), (0, ""))
+    assert launch_ranks(launch).returncode == 1 and len(left) == 1  # three times is a failure too

@@ -81,17 +81,16 @@ def test_migrated_corpus_is_plain_pytorch(migrated: Path) -> None:
         compile(code, script.name, "exec")
 
 
-def test_the_migrated_ddp_tutorial_runs_under_torchrun_like_its_port(migrated: Path) -> None:
+def test_the_migrated_ddp_tutorial_runs_under_torchrun_like_its_port(migrated: Path, launch_ranks) -> None:
     # two ranks on one CPU: gloo, every device id on the host, the checkpoint reloaded onto it
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONHASHSEED": "0", "OMP_NUM_THREADS": "1"}
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    procs = [subprocess.Popen([*command, str(path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=env, cwd=path.parent)
-             for path in (migrated / "ddp_torchrun.py", COMPAT / "corpus_cpu" / "ddp_torchrun.py")]
-    (mine, mine_err), (theirs, theirs_err) = (proc.communicate(timeout=180) for proc in procs)
-    assert procs[1].returncode == 0, theirs_err
-    assert procs[0].returncode == 0, mine_err
-    assert mine == theirs and mine.startswith("mean loss ")
+    mine, theirs = (launch_ranks(lambda path=path: subprocess.run([*command, str(path)], capture_output=True,
+                                                                  text=True, env=env, cwd=path.parent, timeout=180))
+                    for path in (migrated / "ddp_torchrun.py", COMPAT / "corpus_cpu" / "ddp_torchrun.py"))
+    assert theirs.returncode == 0, theirs.stderr
+    assert mine.returncode == 0, mine.stderr
+    assert mine.stdout == theirs.stdout and mine.stdout.startswith("mean loss ")
 
 
 def test_second_run_changes_nothing(migrated: Path) -> None:
