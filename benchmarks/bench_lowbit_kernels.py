@@ -31,6 +31,7 @@ reading its weight once in one launch could reach on this machine.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -73,26 +74,30 @@ def copies(nbytes: int) -> int:
     return max(2, min(64, -(-_COLD_BYTES // nbytes)))
 
 
-_READ_KERNEL = None
+@functools.cache
+def _read_kernel():
+    """A Triton kernel that loads every int32 word of its input and writes one xor per program (imported on first
+    use, as the other timings import Triton)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def read_words(p, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+        pid = tl.program_id(0).to(tl.int64)
+        acc = tl.zeros([BLOCK], tl.int32)
+        for i in tl.static_range(ITERS):  # unrolled: every load of the program issued before the xor waits
+            offs = pid * BLOCK * ITERS + i * BLOCK + tl.arange(0, BLOCK)
+            acc ^= tl.load(p + offs, mask=offs < n, other=0)
+        tl.store(out + pid, tl.xor_sum(acc, 0))
+
+    return read_words
 
 
 def read_ms(nbytes: int) -> tuple[float, dict]:
     """(milliseconds, configuration) of the fastest read-only kernel over ``nbytes`` stored bytes, cold."""
-    global _READ_KERNEL
     import triton
-    import triton.language as tl
 
-    if _READ_KERNEL is None:
-        @triton.jit
-        def read_words(p, out, n, BLOCK: tl.constexpr, ITERS: tl.constexpr):
-            pid = tl.program_id(0).to(tl.int64)
-            acc = tl.zeros([BLOCK], tl.int32)
-            for i in tl.static_range(ITERS):  # unrolled: every load of the program issued before the xor waits
-                offs = pid * BLOCK * ITERS + i * BLOCK + tl.arange(0, BLOCK)
-                acc ^= tl.load(p + offs, mask=offs < n, other=0)
-            tl.store(out + pid, tl.xor_sum(acc, 0))
-
-        _READ_KERNEL = read_words
+    kernel = _read_kernel()
     n = nbytes // 4
     bufs = [torch.randint(-2**31, 2**31 - 1, (n,), device="cuda", dtype=torch.int32) for _ in range(copies(nbytes))]
     best = (float("inf"), {})
@@ -103,7 +108,7 @@ def read_ms(nbytes: int) -> tuple[float, dict]:
                     continue
                 grid = (triton.cdiv(n, block * iters),)
                 out = torch.empty(grid[0], device="cuda", dtype=torch.int32)
-                ms = cold_ms([lambda b=b: _READ_KERNEL[grid](b, out, n, BLOCK=block, ITERS=iters, num_warps=warps)
+                ms = cold_ms([lambda b=b: kernel[grid](b, out, n, BLOCK=block, ITERS=iters, num_warps=warps)
                               for b in bufs])
                 if ms < best[0]:
                     best = (ms, {"BLOCK": block, "ITERS": iters, "num_warps": warps})
@@ -201,7 +206,7 @@ def main() -> None:
         raise SystemExit("bench_lowbit_kernels.py times the CUDA kernels: it needs a CUDA GPU")
     if args.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
-    rows = run(args.rows, args.prefill_rows or None, args.read_ceiling)
+    rows = run(args.rows, args.prefill_rows, args.read_ceiling)
     print(table(rows))
     if args.json:
         meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "timing": "cold: CUDA graph of one call per "

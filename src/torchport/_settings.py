@@ -300,8 +300,6 @@ def _validate(name: str, value: Any, source: str) -> Any:
         return row.default_value()
     try:
         return row.parse(value, source)
-    except SettingError:
-        raise
     except ValueError as exc:  # the parsers' errors, which name the variable and its values
         raise SettingError(*exc.args) from None
 
