@@ -42,7 +42,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_lowbit import capture  # noqa: E402
 
 SHAPES = [(4096, 4096), (1024, 4096), (14336, 4096), (4096, 14336), (128256, 4096)]
-FORMATS = ("int8", "fp8", "int4", "mxfp4", "nvfp4")
+FORMATS = ["int8", "fp8", "int4", "mxfp4", "nvfp4"]
 _CALLS = 20
 _COLD_BYTES = 200 * 2**20  # 4x the H100's 50 MB L2
 
@@ -197,6 +197,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--shapes", default=None, help="comma-separated NxK, e.g. 4096x4096,1024x4096")
+    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=FORMATS)
     parser.add_argument("--prefill-rows", type=int, default=2048, help="0: no prefill row")
     parser.add_argument("--read-ceiling", action="store_true",
                         help="time a read-only kernel over each one-row line's stored bytes (the line's bound)")
@@ -206,6 +207,7 @@ def main() -> None:
         raise SystemExit("bench_lowbit_kernels.py times the CUDA kernels: it needs a CUDA GPU")
     if args.shapes:
         SHAPES[:] = [tuple(int(v) for v in s.split("x")) for s in args.shapes.split(",")]
+    FORMATS[:] = args.formats
     rows = run(args.rows, args.prefill_rows, args.read_ceiling)
     print(table(rows))
     if args.json:

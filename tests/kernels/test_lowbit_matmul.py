@@ -100,12 +100,13 @@ def test_triton_decode_kernels_every_launch_configuration(fmt, device):
     for rows, n, k in ((1, 20, 512), (3, 20, 512), (1, 16, 1024), (19, 20, 256)):
         spec, group, t, x64, bias64, dense = _case(fmt, rows, n, k, device, torch.float32)
         x, bias = x64.to(device, torch.float32), bias64.to(device, torch.float32)
+        tensor_cores = {lowbit_tuning.INT4_MMA} if fmt == "int4" else set()  # groups of 128 here
         if rows == 1:
             configs, launch = lowbit_tuning.gemv_candidates(fmt, n, k, group), lowbit._launch_gemv
-            expected = {lowbit_tuning.GEMV, lowbit_tuning.GEMV_TILED}
+            expected = {lowbit_tuning.GEMV, lowbit_tuning.GEMV_TILED} | tensor_cores
         elif rows <= lowbit_tuning.DECODE_ROWS:
             configs, launch = lowbit_tuning.candidates(fmt, rows, n, k, group), lowbit._launch
-            expected = {lowbit_tuning.GEMM, lowbit_tuning.MMA, lowbit_tuning.ROWS, lowbit_tuning.DENSE}
+            expected = {lowbit_tuning.GEMM, lowbit_tuning.MMA, lowbit_tuning.ROWS, lowbit_tuning.DENSE} | tensor_cores
         else:
             configs, launch = lowbit_tuning.prefill_candidates(fmt, rows, n, k, group), lowbit._launch
             expected = {lowbit_tuning.GEMM, lowbit_tuning.DENSE}
@@ -140,6 +141,31 @@ def test_triton_split_k_sums_every_partial(fmt, device):
         assert not counters.any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+def test_triton_int4_tensor_core_kernel(dtype, device):
+    """The int4 tensor-core kernel (codes decoded in pairs, its own K order for both operands, the decode offset
+    undone per group) on 1, 3 and 16 rows, groups of 64-256, output features that fill no block, with and without a
+    bias, K split unevenly and calls repeated on the same workspace; every candidate the tuner would time."""
+    _need_triton(device)
+    needs_dtype(device, dtype)
+    from torchport.kernels.triton import lowbit, lowbit_tuning
+
+    for rows, n, k, group in ((1, 40, 512, 128), (3, 33, 768, 64), (16, 20, 1024, 256)):
+        spec, group, t, x64, bias64, dense = _case("int4", rows, n, k, device, dtype, group)
+        x, bias = x64.to(device, dtype), bias64.to(device, dtype)
+        configs = lowbit_tuning.int4_mma_candidates("int4", n, k, group)
+        assert {c["SPLIT"] for c in configs} >= {1, 2} and {c["KERNEL"] for c in configs} == {lowbit_tuning.INT4_MMA}
+        for config in configs:
+            for with_bias in (True, False):
+                y = lowbit._launch_int4_mma(config, x, t, group, bias if with_bias else None)
+                expected = x.double().cpu() @ dense.T + (bias.double().cpu() if with_bias else 0)
+                check_close(f"{dtype} {rows}x{n}x{k} g{group} {config} bias={with_bias}", y, expected, dtype)
+    for _, counters in lowbit._WORKSPACES.values():
+        assert not counters.any()
+    assert lowbit_tuning.int4_mma_candidates("int4", 64, 512, 32) == []  # a dot over K = 8: no tensor-core shape
+    assert lowbit_tuning.int4_mma_candidates("mxfp4", 64, 512, 32) == []
+
+
 def test_triton_split_k_replays_in_a_cuda_graph(device):
     """A split-K launch captured in a CUDA graph gives the right output on every replay, for new inputs too: the
     counters are reset by the kernel itself, with no fill kernel in the graph."""
@@ -149,15 +175,18 @@ def test_triton_split_k_replays_in_a_cuda_graph(device):
 
     spec, group, t, x64, _, dense = _case("int4", 1, 1024, 4096, device, torch.bfloat16)
     x = x64.to(device, torch.bfloat16)
-    config = {"KERNEL": lowbit_tuning.GEMV, "BLOCK_N": 4, "BLOCK_W": 64, "num_warps": 4, "SPLIT": 4, "PREFETCH": 1}
-    lowbit._launch_words(config, x, t, "int4", group, None)  # compiles, makes the workspace
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = lowbit._launch_words(config, x, t, "int4", group, None)
-    for step in range(3):
-        x.copy_(x64.to(device, torch.bfloat16) * (step + 1))
-        graph.replay()
-        check_close(f"replay {step}", y, (x.double().cpu() @ dense.T), torch.bfloat16)
+    for config in ({"KERNEL": lowbit_tuning.GEMV, "BLOCK_N": 4, "BLOCK_W": 64, "num_warps": 4, "SPLIT": 4,
+                    "PREFETCH": 1},
+                   {"KERNEL": lowbit_tuning.INT4_MMA, "BLOCK_N": 64, "num_warps": 4, "SPLIT": 8, "PREFETCH": 1}):
+        x.copy_(x64.to(device, torch.bfloat16))
+        lowbit._launch_gemv(config, x, t, "int4", group, None)  # compiles, makes the workspace
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            y = lowbit._launch_gemv(config, x, t, "int4", group, None)
+        for step in range(3):
+            x.copy_(x64.to(device, torch.bfloat16) * (step + 1))
+            graph.replay()
+            check_close(f"{config} replay {step}", y, (x.double().cpu() @ dense.T), torch.bfloat16)
 
 
 def test_triton_dequantize_matches_reference(device):

@@ -18,7 +18,7 @@ import torch
 
 from ...backends import get_backend
 
-__all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "rows_view"]
+__all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "nvidia", "rows_view"]
 
 
 _UNKNOWN_COUNT = 8  # compute units assumed where the device does not say
@@ -40,6 +40,20 @@ def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids: the properties'
     ``multi_processor_count`` (an Ascend NPU's vector cores), else 8 (the host under Triton's interpreter)."""
     return _multiprocessor_count(device.type, device.index or 0)
+
+
+@functools.lru_cache(maxsize=None)
+def _vendor(device_type: str, index: int) -> str | None:
+    try:
+        return get_backend(device_type).properties(index).get("vendor")
+    except Exception:  # a device module without properties
+        return None
+
+
+def nvidia(device: torch.device) -> bool:
+    """Whether ``device`` is an NVIDIA GPU, where a kernel may hold PTX (``tl.inline_asm_elementwise``); not a ROCm
+    GPU, which torch also calls ``cuda``, nor the host under Triton's interpreter."""
+    return device.type == "cuda" and _vendor(device.type, device.index or 0) == "NVIDIA"
 
 
 def cdiv(a: int, b: int) -> int:

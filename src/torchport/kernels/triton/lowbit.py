@@ -33,13 +33,14 @@ from typing import Any
 
 import torch
 
-from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count
+from . import autotune, cdiv, lowbit_kernels as kernels, multiprocessor_count, nvidia
 from ..checks import capturing
 from .lowbit_decode import FORMAT_IDS, MAGIC_BITS, SIGN_BITS
 from .lowbit_gemm import gemm_kernel
 from .lowbit_gemv import gemv_kernel
-from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, MMA, PER_CHANNEL, ROWS, TUNED, TUNED_GEMV,
-                            TUNED_PREFILL, tiled_candidates, words_fit)
+from .lowbit_int4_mma import int4_mma_kernel
+from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, INT4_MMA, MMA, PER_CHANNEL, ROWS, TUNED,
+                            TUNED_GEMV, TUNED_PREFILL, tiled_candidates, words_fit)
 from .launch import Kernel
 
 __all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
@@ -49,9 +50,9 @@ _DENSE_CHUNK_BYTES = 128 * 2**20
 _DENSE_CHUNK_ALIGN = 128
 # The launchers bind each compiled specialisation once (launch.py): Triton's own launch path cost 32-85 us of host
 # time per one-row call on an H100 host, more than the 5-30 us the kernels run (RESULTS.md, issue 24).
-_MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUANTIZE_KERNEL = map(Kernel, (
-    kernels.matmul_kernel, gemm_kernel, gemv_kernel, kernels.gemv4_kernel, kernels.gemv8_kernel,
-    kernels.dequantize_kernel))
+(_MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUANTIZE_KERNEL,
+ _INT4_MMA_KERNEL) = map(Kernel, (kernels.matmul_kernel, gemm_kernel, gemv_kernel, kernels.gemv4_kernel,
+                                  kernels.gemv8_kernel, kernels.dequantize_kernel, int4_mma_kernel))
 
 
 def supports(fmt: str, group: int, k: int) -> str | None:
@@ -112,6 +113,8 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
         return _dense(x, t, fmt, group, bias)
     if kernel == GEMM:
         return _launch_gemm(config, x, t, fmt, group, bias)
+    if kernel == INT4_MMA:
+        return _launch_int4_mma(config, x, t, group, bias)
     m, k = x.shape
     q, scale = t["qweight"], t["scale"]
     n = q.shape[0]
@@ -218,8 +221,38 @@ def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], f
     return y
 
 
+def _launch_int4_mma(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], group: int,
+                     bias: torch.Tensor | None) -> torch.Tensor:
+    """``int4_mma_kernel``: up to 16 rows in one program per block of output features and K range (a whole number
+    of groups); the ``lop3`` decode on NVIDIA GPUs with 16-bit activations, integer decoding elsewhere."""
+    m, k = x.shape
+    words = t["qweight"].view(torch.int32)
+    scale = t["scale"]
+    n, n_words = words.shape
+    block_n = config["BLOCK_N"]
+    split, w_split = _split_ranges(config.get("SPLIT", 1), n_words, group // 8)
+    y = x.new_empty((m, n))
+    tiles = cdiv(n, block_n)
+    buffers = _workspace(x.device, split * m * n, tiles) if split > 1 else None
+    if buffers is None:
+        split, w_split = 1, n_words
+        buffers = (y, y)
+    _INT4_MMA_KERNEL.launch(
+        (tiles, split),
+        x, words, scale, t["offset"], scale if bias is None else bias, y, *buffers, m, n, k, w_split, x.stride(0),
+        words.stride(0), scale.stride(0), y.stride(0), GROUP=group, HAS_BIAS=bias is not None,
+        ASM=nvidia(x.device) and x.dtype in (torch.bfloat16, torch.float16), EVEN=n % block_n == 0,
+        PREFETCH=bool(config.get("PREFETCH", 0)), SPLIT=split,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_N=block_n, BLOCK_M=DECODE_ROWS,
+        num_warps=config["num_warps"], num_stages=config.get("num_stages", 3),
+    )
+    return y
+
+
 def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
+    if config.get("KERNEL") == INT4_MMA:
+        return _launch_int4_mma(config, x, t, group, bias)
     if config.get("KERNEL", GEMV_TILED) == GEMV:
         if words_fit(fmt, x.shape[1]):
             return _launch_words(config, x, t, fmt, group, bias)

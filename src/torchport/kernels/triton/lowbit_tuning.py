@@ -9,13 +9,15 @@ import functools
 from . import autotune, next_power_of_2
 from .lowbit_decode import FORMAT_IDS
 
-__all__ = ["DECODE_ROWS", "DENSE", "GEMM", "GEMV", "GEMV_TILED", "MMA", "PER_CHANNEL", "ROWS", "TUNED", "TUNED_GEMV",
-           "TUNED_PREFILL", "candidates", "gemv_candidates", "prefill_candidates", "tiled_candidates",
-           "words_fit"]
+__all__ = ["DECODE_ROWS", "DENSE", "GEMM", "GEMV", "GEMV_TILED", "INT4_MMA", "MMA", "PER_CHANNEL", "ROWS", "TUNED",
+           "TUNED_GEMV", "TUNED_PREFILL", "candidates", "gemv_candidates", "int4_mma_candidates", "prefill_candidates",
+           "tiled_candidates", "words_fit"]
 
 PER_CHANNEL = ("int8", "fp8")
 DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, prefill's
-GEMV, GEMV_TILED, MMA, ROWS, DENSE, GEMM = range(6)  # the kernels a configuration can name (``KERNEL``)
+# the kernels a configuration can name (``KERNEL``)
+GEMV, GEMV_TILED, MMA, ROWS, DENSE, GEMM, INT4_MMA = range(7)
+INT4_MMA_MIN_GROUP = 64  # its dots run over K = group / 4 codes, and tensor cores take K >= 16
 
 
 def _bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
@@ -40,6 +42,21 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Co
         for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4), (4, 128, 4)):
             configs.append({"KERNEL": ROWS, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps})
     configs.append({"KERNEL": DENSE})
+    return autotune.distinct(configs + int4_mma_candidates(fmt, n, k, group))
+
+
+def int4_mma_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
+    """int4 on the tensor cores, 1-16 rows (``lowbit_int4_mma``): output features per program, warps, the next
+    group's scales loaded ahead, K split. The fastest of each layer of an 8B model on an H200 were among these
+    (128 features, 4 warps, ahead, split 2-8; 64 features without; RESULTS.md, issue 24)."""
+    if fmt != "int4" or group < INT4_MMA_MIN_GROUP:
+        return []
+    groups = max(1, k // group)
+    configs = []
+    for block_n, warps, ahead, split in ((128, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 2), (128, 4, 1, 1),
+                                         (64, 4, 0, 8), (64, 4, 0, 4), (128, 8, 0, 8)):
+        configs.append({"KERNEL": INT4_MMA, "BLOCK_N": block_n, "num_warps": warps, "PREFETCH": ahead,
+                        "SPLIT": max(1, min(split, groups // 2)), "num_stages": 3})
     return autotune.distinct(configs)
 
 
@@ -112,7 +129,7 @@ def gemv_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Confi
             split = min(split, max(1, words // block_w))
             configs.append({"KERNEL": GEMV, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps,
                             "SPLIT": split, "PREFETCH": prefetch})
-    return autotune.distinct(configs + tiled_candidates(fmt, n, k, group))
+    return autotune.distinct(configs + tiled_candidates(fmt, n, k, group) + int4_mma_candidates(fmt, n, k, group))
 
 
 def tiled_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
