@@ -13,6 +13,9 @@ decode it in registers:
 * 2 to 16 rows: the autotuner picks per shape bucket among the decode-in-prologue tensor-core GEMM
   (``gemm_kernel``, 16-row tiles, K split), the earlier tensor-core kernel, the one-row kernel launched once for
   every row (up to 4 rows; the rows of one weight block share its bytes through L2), and dequantise + dense matmul;
+* int4 at 1 to 16 rows, a candidate in both lists: ``int4_mma_kernel`` (:mod:`.lowbit_int4_mma`), the weight as
+  the tensor cores' register operand with two codes decoded by one ``lop3``, which costs 16 rows about what it costs
+  one;
 * more rows (prefill): ``gemm_kernel`` with large tiles, or the weight dequantised into the activation dtype (one
   pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls);
   a weight whose dense copy would pass ``_DENSE_CHUNK_BYTES`` (an LM head) is dequantised and multiplied in slices
@@ -24,7 +27,8 @@ rows, a few % at 16 rows on some layers).
 
 Launch configurations are autotuned per shape bucket (:mod:`.autotune`, which times each candidate with L2 cleared:
 a decode step reads every weight once, from DRAM); the candidates and buckets are in :mod:`.lowbit_tuning`, where
-``KERNEL`` in a configuration names the kernel (``GEMV``, ``GEMV_TILED``, ``MMA``, ``ROWS``, ``DENSE``, ``GEMM``).
+``KERNEL`` in a configuration names the kernel (``GEMV``, ``GEMV_TILED``, ``MMA``, ``ROWS``, ``DENSE``, ``GEMM``,
+``INT4_MMA``).
 """
 
 from __future__ import annotations

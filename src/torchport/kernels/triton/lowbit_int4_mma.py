@@ -10,13 +10,17 @@ loaded in its natural order and rearranged in registers to match.
 
 The decoded values carry an offset, undone per group in float32: with ``v = c + B`` (B = 128 or 1024) and int4's
 ``(c - 8 + o) * s``, a group contributes ``s * (sum(v * x) + (o - 8 - B) * sum(x))``. The sums of ``v * x`` are
-exact products accumulated in float32 by the tensor cores; ``B`` makes them about 17 times larger than the
-centred ones, 4 of float32's 24 bits. ``sum(x)`` over the group comes from the activations' tile.
+exact products accumulated in float32 by the tensor cores; ``B`` makes them about 17 (bfloat16) or 130 (float16)
+times larger than the centred ones, 4 or 7 of float32's 24 bits. ``sum(x)`` over the group comes from the
+activations' tile.
 
-Against the CUDA-core one-row kernel (``lowbit_gemv``): about half the instructions per code (one ``lop3`` per two
-codes and a shift per word and position, against a mask, a subtract and a multiply-add per code), and 16 rows cost
-what one does, where the one-row kernel runs once per row. Measured on an H200 (RESULTS.md, issue 24): at one row
-within -13% to +9% of the tuned one-row kernels, at 4-16 rows 1.1-1.7x faster than the previous choices. The
+Against the CUDA-core one-row kernel (``lowbit_gemv``): the decode is cheaper (one ``lop3`` per two codes and a
+shift per word and position, against a mask, a subtract and a multiply-add per code), but the activations'
+rearrangement, the tensor cores' synchronisation and the per-group scaling take the rest: compiled for sm_90, a step
+issues 3.9-4.9 instructions per code at 128 output features against the one-row kernel's 4.5. What it gains is
+the rows: 16 cost what one does, where the one-row kernel runs once per row. Measured on an H200 (RESULTS.md, issue 24): at one row
+from 23% slower (k/v) to 9% faster (the down projection) than the tuned one-row kernels; at 4 and 16 rows 1.2-1.7x
+faster than the earlier choices on every layer but k/v, where the tuner keeps those. The
 ``lop3`` is PTX, so the decode needs an NVIDIA GPU (``ASM``); elsewhere (Triton's interpreter, ROCm, float32
 activations) the same kernel decodes with integer operations and multiplies in float32.
 """
