@@ -170,6 +170,16 @@ def _split_ranges(split: int, total: int, block: int) -> tuple[int, int]:
     return cdiv(total, per), per
 
 
+def _split_workspace(y: torch.Tensor, split: int, per: int, total: int,
+                     tiles: int) -> tuple[int, int, tuple[torch.Tensor, torch.Tensor]]:
+    """(splits, elements per split, (partials, counters)) for a launch writing ``y``: the workspace of
+    :func:`_workspace` when K is split, else no split and ``y`` in the workspace's place (the kernels read neither)."""
+    buffers = _workspace(y.device, split * y.numel(), tiles) if split > 1 else None
+    if buffers is None:
+        return 1, total, (y, y)
+    return split, per, buffers
+
+
 def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``gemm_kernel``: the K split derived as for the tensor-core kernel (none for prefill's many row tiles)."""
@@ -178,12 +188,9 @@ def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
     n = q.shape[0]
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
-    split, k_split = _split_ranges(_split_k(block_n, block_k, cdiv(m, block_m), n, k, x.device), k, block_k)
     y = x.new_empty((m, n))
-    buffers = _workspace(x.device, split * m * n, tiles) if split > 1 else None
-    if buffers is None:
-        split, k_split = 1, k
-        buffers = (y, y)
+    split, k_split, buffers = _split_workspace(
+        y, *_split_ranges(_split_k(block_n, block_k, cdiv(m, block_m), n, k, x.device), k, block_k), k, tiles)
     _GEMM_KERNEL.launch(
         (tiles, split),
         x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
@@ -206,13 +213,10 @@ def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], f
     words = q.view(torch.int32)
     n_words = words.shape[1]
     block_n, block_w = config["BLOCK_N"], config["BLOCK_W"]
-    split, w_split = _split_ranges(config.get("SPLIT", 1), n_words, block_w)
     y = x.new_empty((m, n))
     tiles = cdiv(n, block_n)
-    buffers = _workspace(x.device, split * m * n, m * tiles) if split > 1 else None
-    if buffers is None:
-        split, w_split = 1, n_words
-        buffers = (y, y)
+    split, w_split, buffers = _split_workspace(y, *_split_ranges(config.get("SPLIT", 1), n_words, block_w), n_words,
+                                               m * tiles)
     even = n % block_n == 0 and n_words % w_split == 0 and w_split % block_w == 0
     _GEMV_KERNEL.launch(
         (m, tiles, split),
@@ -234,13 +238,10 @@ def _launch_int4_mma(config: autotune.Config, x: torch.Tensor, t: dict[str, Any]
     scale = t["scale"]
     n, n_words = words.shape
     block_n = config["BLOCK_N"]
-    split, w_split = _split_ranges(config.get("SPLIT", 1), n_words, group // 8)
     y = x.new_empty((m, n))
     tiles = cdiv(n, block_n)
-    buffers = _workspace(x.device, split * m * n, tiles) if split > 1 else None
-    if buffers is None:
-        split, w_split = 1, n_words
-        buffers = (y, y)
+    split, w_split, buffers = _split_workspace(y, *_split_ranges(config.get("SPLIT", 1), n_words, group // 8),
+                                               n_words, tiles)
     _INT4_MMA_KERNEL.launch(
         (tiles, split),
         x, words, scale, t["offset"], scale if bias is None else bias, y, *buffers, m, n, k, w_split, x.stride(0),
