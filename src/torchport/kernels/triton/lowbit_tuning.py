@@ -28,7 +28,7 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Co
     """2-16 rows: the decode-in-prologue GEMM (output-feature block, K block, warps, stages; the K split is derived
     at launch so that (n-blocks x splits) gives every multiprocessor about four programs) with the heuristic first,
     the earlier tensor-core kernel, the one-row kernel once per row (up to 4 rows: measured slower than the tensor
-    cores from 8 rows on, RESULTS.md), and dequantise + dense matmul."""
+    cores from 8 rows on, RESULTS.md), dequantise + dense matmul, and for int4 :func:`int4_mma_candidates`."""
     configs = []
     for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
                                             (64, 256, 8, 3)):
@@ -105,7 +105,8 @@ def words_fit(fmt: str, k: int) -> bool:
 def gemv_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
     """One row: ``gemv_kernel``'s output features and words per tile, warps, K split and prefetch (the heuristic
     first: small blocks of features where they are few, so that every multiprocessor has programs), then the tiled
-    kernel's. Split K where the output features give fewer than ~4 programs per multiprocessor (k/v and q/o
+    kernel's, and for int4 :func:`int4_mma_candidates`. Split K where the output features give fewer than ~4
+    programs per multiprocessor (k/v and q/o
     projections: 128-512 programs for 132 SMs) and along long rows (the down projection).
 
     Programs of one or two warps with 16-64 rows: a thread then holds one word column for many rows and loads that
