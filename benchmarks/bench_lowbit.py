@@ -5,7 +5,9 @@ Model: hidden 4096, intermediate 14336, 32 layers, 32 heads, 8 kv heads, vocab 1
 embedding stays bf16. For each contender:
 
 * **decode**: batch 1, greedy, one CUDA graph per token step (the step writes its token and advances its position
-  inside the graph, so replays need no host work): tokens/s over ``--decode-tokens`` replays;
+  inside the graph, so replays need no host work): tokens/s over ``--decode-tokens`` replays; ``--decode-batch B
+  ...`` also decodes B copies of the prompt together per size (tokens/s of all of them: the 2-16-row kernels, where
+  q/k/v and gate/up run as separate layers);
 * **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5; for torchport's formats twice:
   in the default mode (each layer dequantises its weight per call and drops it: weight memory unchanged), and with
   ``QuantizedLinear.cache_dequantized`` (the dense weight kept after the first call: its extra memory is reported);
@@ -81,8 +83,9 @@ def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
 
 
 def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor) -> float:
-    """Greedy batch-1 decode tokens/s: one CUDA graph per step where the device has graphs, eager otherwise."""
-    caches = new_caches(model, device)
+    """Greedy decode tokens/s of the ``prompt.shape[0]`` sequences together (every row at the same position): one
+    CUDA graph per step where the device has graphs, eager otherwise."""
+    caches = new_caches(model, device, prompt.shape[0])
     start = prompt.shape[1]
     with torch.no_grad():
         logits = model(prompt, torch.arange(start, device=device), caches, decode=False)
@@ -117,7 +120,7 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
             for _ in range(steps):
                 step()
             seconds = time.perf_counter() - began
-    return steps / seconds
+    return prompt.shape[0] * steps / seconds
 
 
 def measure_prefill(model: Llama, device: torch.device, tokens: int, runs: dict[str, list] | None = None) -> float:
@@ -322,6 +325,9 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             row["prefill_tok_s"] = measure_prefill(model, device, args.prefill_tokens, runs)
             row.update(runs)
             row["decode_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64])
+            for batch in args.decode_batch:
+                row[f"decode_b{batch}_tok_s"] = measure_decode(model, device, args.decode_tokens,
+                                                               prompt[:, :64].expand(batch, -1))
             if name.startswith("torchport-"):
                 row.update(measure_cached_prefill(model, device, args.prefill_tokens))
         except Exception as exc:  # one contender failing must not lose the others' figures
@@ -354,6 +360,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
         row["weight_vs_bf16"] = row["weight_bytes"] / bf16["weight_bytes"]
         row["linear_vs_bf16"] = row["linear_bytes"] / bf16["linear_bytes"]
         row["decode_vs_bf16"] = row["decode_tok_s"] / bf16["decode_tok_s"]
+        for batch in args.decode_batch:
+            row[f"decode_b{batch}_vs_bf16"] = row[f"decode_b{batch}_tok_s"] / bf16[f"decode_b{batch}_tok_s"]
         row["prefill_vs_bf16"] = row["prefill_tok_s"] / bf16["prefill_tok_s"]
         if "prefill_cached_tok_s" in row:
             row["prefill_cached_vs_bf16"] = row["prefill_cached_tok_s"] / bf16["prefill_tok_s"]
@@ -375,6 +383,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"{r.get('linear_vs_bf16', math.nan):>10.3f}{r['logits_rel_error']:>10.4f}{r['kl_divergence']:>10.2e}"
             f"{r.get('prefill_cached_vs_bf16', math.nan):>9.2f}{r.get('prefill_cache_bytes', 0) / 2**30:>8.2f}"
         )
+    return "\n".join(lines)
+
+
+def batch_table(rows: list[dict[str, Any]], batches: list[int]) -> str:
+    """Decode tokens/s (all sequences together) at each ``--decode-batch`` size, and against bf16's."""
+    head = f"{'contender':<26}" + "".join(f"{f'batch {b} tok/s':>16}{'x bf16':>8}" for b in batches)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "error" in r:
+            continue
+        lines.append(f"{r['contender']:<26}" + "".join(
+            f"{r[f'decode_b{b}_tok_s']:>16.1f}{r.get(f'decode_b{b}_vs_bf16', math.nan):>8.2f}" for b in batches))
     return "\n".join(lines)
 
 
@@ -407,6 +427,8 @@ def main() -> None:
                              "contenders torchport-<format>-separate")
     parser.add_argument("--torchao-formats", nargs="+", default=list(TORCHAO_FORMATS), choices=TORCHAO_FORMATS)
     parser.add_argument("--decode-tokens", type=int, default=128)
+    parser.add_argument("--decode-batch", type=int, nargs="*", default=[],
+                        help="also decode this many sequences together (2-16: the batched-decode kernels), per size")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")
     parser.add_argument("--profile", action="store_true",
@@ -414,8 +436,12 @@ def main() -> None:
     parser.add_argument("--json", default=None, help="write the rows to this file")
     args = parser.parse_args()
     model_def.OPS = model_def.PlainOps if args.plain_ops else model_def.FusedOps
+    if any(b < 1 for b in args.decode_batch):
+        parser.error(f"--decode-batch takes sizes of at least 1, not {args.decode_batch}")
     rows = run(args)
     print(table(rows))
+    if args.decode_batch:
+        print(batch_table(rows, args.decode_batch))
     if args.profile:
         print(profile_table(rows))
     if args.json:
@@ -424,7 +450,8 @@ def main() -> None:
 
         device = torch.device(args.device) if args.device else torchport.device()
         meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__, "shape": "small" if args.small else "8b",
-                "decode_tokens": args.decode_tokens, "prefill_tokens": args.prefill_tokens,
+                "decode_tokens": args.decode_tokens, "decode_batch": args.decode_batch,
+                "prefill_tokens": args.prefill_tokens,
                 "ops": "plain" if args.plain_ops else "torchport kernels"}
         with open(args.json, "w") as f:
             json.dump({"meta": meta, "rows": rows}, f, indent=1)

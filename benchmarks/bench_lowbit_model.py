@@ -132,8 +132,8 @@ def build(c: dict[str, int], device: torch.device) -> Llama:
     return model.to(torch.bfloat16).eval()
 
 
-def new_caches(model: Llama, device: torch.device) -> list:
+def new_caches(model: Llama, device: torch.device, batch: int = 1) -> list:
     c = model.config
-    shape = (1, c["kv_heads"], MAX_SEQ, c["hidden"] // c["heads"])
+    shape = (batch, c["kv_heads"], MAX_SEQ, c["hidden"] // c["heads"])
     return [(torch.zeros(shape, dtype=torch.bfloat16, device=device), torch.zeros(shape, dtype=torch.bfloat16,
              device=device)) for _ in range(c["layers"])]
