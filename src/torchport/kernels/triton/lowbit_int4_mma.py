@@ -17,12 +17,13 @@ activations' tile.
 Against the CUDA-core one-row kernel (``lowbit_gemv``): the decode is cheaper (one ``lop3`` per two codes and a
 shift per word and position, against a mask, a subtract and a multiply-add per code), but the activations'
 rearrangement, the tensor cores' synchronisation and the per-group scaling take the rest: compiled for sm_90, a step
-issues 3.9-4.9 instructions per code at 128 output features against the one-row kernel's 4.5. What it gains is
-the rows: 16 cost what one does, where the one-row kernel runs once per row. Measured on an H200 (RESULTS.md, issue 24): at one row
-from 23% slower (k/v) to 9% faster (the down projection) than the tuned one-row kernels; at 4 and 16 rows 1.2-1.7x
-faster than the earlier choices on every layer but k/v, where the tuner keeps those. The
-``lop3`` is PTX, so the decode needs an NVIDIA GPU (``ASM``); elsewhere (Triton's interpreter, ROCm, float32
-activations) the same kernel decodes with integer operations and multiplies in float32.
+issues 3.9-4.9 instructions per code (128 output features, 4 warps) against the one-row kernel's 4.5. It gains the
+rows: 16 cost what one does, where the one-row kernel runs once per row. Measured (RESULTS.md, issue 24): at one row
+from 23% slower (k/v) to 9% faster (the down projection) than the tuned one-row kernels (an H200); at 4 and 16 rows
+1.2-1.7x faster than the earlier choices on every layer but k/v, where the tuner keeps those (1.72-2.30x bf16 on an
+H100's q/o, gate/up and down shapes). The ``lop3`` is PTX, so the decode needs an NVIDIA GPU (``ASM``); elsewhere
+(Triton's interpreter, ROCm, float32 activations) the same kernel decodes ``code - 8`` with integer operations,
+which needs no offset undone.
 """
 
 from __future__ import annotations
@@ -74,18 +75,20 @@ def _activations(x, BLOCK_M: tl.constexpr, WPG: tl.constexpr):
 def int4_mma_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, count_ptr, M, N, K, W_SPLIT,
                     stride_xm, stride_qn, stride_sn, stride_ym, GROUP: tl.constexpr, HAS_BIAS: tl.constexpr,
                     ASM: tl.constexpr, EVEN: tl.constexpr, PREFETCH: tl.constexpr, SPLIT: tl.constexpr,
-                    PRECISION: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
+                    PRECISION: tl.constexpr, UPCAST: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_M: tl.constexpr):
     """Output features ``program_id(0) * BLOCK_N ..`` for the (at most ``BLOCK_M``) rows of ``x``, words
     ``program_id(1) * W_SPLIT ..`` of each weight row (a whole number of groups), one group per step.
 
     ``PREFETCH``: the next group's scales and offsets are loaded a step ahead (the pipeliner stages the words and
     activations, which feed the dots, but not these). ``SPLIT`` > 1: the partial sums meet in :func:`split_sum`.
     ``EVEN``: ``BLOCK_N`` divides N, so the words load without a mask. ``PRECISION``: the dots' (``ieee`` where
-    they multiply float32)."""
+    they multiply float32). ``UPCAST``: the dots run in float32 (Triton's interpreter, whose NumPy arrays have no
+    bfloat16 product); otherwise in the activations' dtype, where ``code - 8`` is exact too."""
     WPG: tl.constexpr = GROUP // 8  # int32 words per group
     HALF: tl.constexpr = x_ptr.dtype.element_ty == tl.float16
     CENTRE: tl.constexpr = (1032.0 if HALF else 136.0) if ASM else 0.0  # B + 8: what _codes adds to code - 8
-    dtype = x_ptr.dtype.element_ty if ASM else tl.float32
+    dtype = tl.float32 if UPCAST else x_ptr.dtype.element_ty
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
