@@ -353,3 +353,21 @@ def test_npu_310p_runs_int8_in_fp16_only(npu):
         check_close("y", y, x.double() @ int4.dequantize({n: v.cpu() for n, v in w4.items()}, torch.float64).T,
                     torch.float16)
         assert npu_fused_ops.calls["npu_weight_quant_batchmatmul"] == calls + 1
+
+
+@pytest.mark.parametrize("vendor, expected", [("NVIDIA", True), ("AMD", False), (None, False)])
+def test_the_ptx_decode_is_only_for_nvidia_gpus(vendor, expected, monkeypatch):
+    """The int4 tensor-core kernel's ``lop3`` is PTX: ROCm devices, which torch also calls ``cuda``, and the host
+    take its integer decode."""
+    pytest.importorskip("triton")
+    from torchport.backends import get_backend
+    from torchport.kernels import triton as kernels_triton
+
+    props = {} if vendor is None else {"vendor": vendor}
+    monkeypatch.setattr(get_backend("cuda"), "properties", lambda index: props)
+    kernels_triton._vendor.cache_clear()
+    try:
+        assert kernels_triton.nvidia(torch.device("cuda", 0)) is expected
+        assert kernels_triton.nvidia(torch.device("cpu")) is False
+    finally:
+        kernels_triton._vendor.cache_clear()
