@@ -322,9 +322,9 @@ def main() -> None:
         if value is not None:
             if not value >= 0:
                 parser.error(f"a workspace must be >= 0 MiB, got {value}")
-            from torchport.kernels import linear_ce_passes
+            from torchport.kernels import linear_ce_plan
 
-            setattr(linear_ce_passes, name, int(value * 2**20))
+            setattr(linear_ce_plan, name, int(value * 2**20))
 
     if args.sweep and args.ops == ",".join(OPS):
         args.ops = ",".join(SWEEP_OPS)

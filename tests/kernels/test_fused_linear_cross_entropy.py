@@ -15,6 +15,7 @@ from kernel_cases import call, check_close, forced
 
 # the module (the package attribute of the same name is the function)
 flce_module = importlib.import_module("torchport.kernels.linear_ce_passes")
+plan_module = importlib.import_module("torchport.kernels.linear_ce_plan")
 IGNORE = -100
 OP = "fused_linear_cross_entropy"
 SHAPES = [(1, 16, 1000), (7, 32, 1003), (33, 24, 1000)]  # tokens, hidden, vocab
@@ -35,10 +36,10 @@ def _small_workspaces(monkeypatch: pytest.MonkeyPatch, strategy: str) -> None:
     """The two passes' workspace at 32 KiB: blocks of a few tokens and vocabulary slices of a few hundred columns, so
     that several blocks and slices (and ragged last ones) are exercised; the whole-row strategy's at 48 KiB ("rows":
     2 to 6 chunks of 33 tokens of 1003 logits, by dtype) or off ("columns")."""
-    monkeypatch.setattr(flce_module, "WORKSPACE_BYTES", 32 * 1024)
-    monkeypatch.setattr(flce_module, "_ACCUMULATOR_ELEMENTS", 512)
-    monkeypatch.setattr(flce_module, "_ALIGN", 8)
-    monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 48 * 1024 if strategy == "rows" else 0)
+    monkeypatch.setattr(plan_module, "WORKSPACE_BYTES", 32 * 1024)
+    monkeypatch.setattr(plan_module, "_ACCUMULATOR_ELEMENTS", 512)
+    monkeypatch.setattr(plan_module, "_ALIGN", 8)
+    monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", 48 * 1024 if strategy == "rows" else 0)
 
 
 @pytest.fixture(params=["rows", "columns"])
@@ -153,7 +154,7 @@ def test_gradient_accumulation_with_num_items_in_batch(device, flce_impl, small_
     mean over the whole batch (Hugging Face Trainer's convention); whole rows in chunks of 3 tokens."""
     skip_if_strategy_unused(small_chunks, "sum", flce_impl)
     if small_chunks == "rows":
-        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 3 * 1003 * 4)
+        monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", 3 * 1003 * 4)
     hidden, weight, bias, t = make(14, 16, 1003)
     t[8] = IGNORE  # micro-batches with different valid counts
     total_items = int((t != IGNORE).sum())
@@ -204,18 +205,18 @@ def test_auto_and_forced_selection(device):
 
 def test_blocks_fit_the_workspace():
     # the benchmark's shape: 8192 tokens, 4096 -> 128256, bf16; liger-kernel holds 62.6 MiB of logits there
-    plan = flce_module.blocks(8192, 4096, 128256, 2)
-    assert plan == flce_module.Blocks(tokens=1024, vocab=16064, grad_vocab=3072)
-    budget = flce_module.workspace_bytes(8192, 4096, 2)
+    plan = plan_module.blocks(8192, 4096, 128256, 2)
+    assert plan == plan_module.Blocks(tokens=1024, vocab=16064, grad_vocab=3072)
+    budget = plan_module.workspace_bytes(8192, 4096, 2)
     assert budget == 48 * 2**20
     assert plan.tokens * plan.vocab * 2 + plan.tokens * 4096 * 4 <= budget  # pass 1: logits block + accumulator
     assert 8192 * plan.grad_vocab * 2 <= budget  # pass 2: one slice of all tokens
-    two = flce_module.blocks(8192, 4096, 128256, 2, accumulators=2)  # soft-cap with smoothing
+    two = plan_module.blocks(8192, 4096, 128256, 2, accumulators=2)  # soft-cap with smoothing
     assert two.tokens * two.vocab * 2 * 2 + two.tokens * 4096 * 4 * 2 <= budget
-    assert flce_module.blocks(10, 4096, 128256, 2).tokens == 10
-    big = flce_module.blocks(65536, 4096, 128256, 2)  # the workspace grows with the hidden states (3/4 of them)
+    assert plan_module.blocks(10, 4096, 128256, 2).tokens == 10
+    big = plan_module.blocks(65536, 4096, 128256, 2)  # the workspace grows with the hidden states (3/4 of them)
     assert 65536 * big.grad_vocab * 2 <= 3 * 65536 * 4096 * 2 // 4
-    assert flce_module.blocks(3, 8, 5, 4) == flce_module.Blocks(3, 5, 5)
+    assert plan_module.blocks(3, 8, 5, 4) == plan_module.Blocks(3, 5, 5)
 
 
 def test_bad_input_is_a_clear_error(device):
@@ -334,8 +335,8 @@ def test_gradient_rounding(strategy, device, monkeypatch):
     n, h, v = 512, 32, 1003
     _small_workspaces(monkeypatch, "columns")
     if strategy == "rows":
-        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", n // flce_module.MAX_ROW_CHUNKS * v * 2)
-        assert flce_module.row_chunk(n, v, 2) == n // flce_module.MAX_ROW_CHUNKS
+        monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", n // plan_module.MAX_ROW_CHUNKS * v * 2)
+        assert plan_module.row_chunk(n, v, 2) == n // plan_module.MAX_ROW_CHUNKS
     for name, (err, floor) in _rounding_errors(n, h, v, torch.bfloat16, 3, device).items():
         assert err <= 3 * floor, f"{name}: relative error {err:.2e} > 3 x {floor:.2e}"
 
@@ -353,11 +354,11 @@ def test_strategy_runs_as_chosen(case, device, flce_impl, monkeypatch):
         monkeypatch.setattr(flce_module, name, lambda *a, _f=original, _n=name: ran.append((_n, a)) or _f(*a))
     n = {"too many tokens": 40, "no tokens": 0}.get(case, 33)
     if case == "off":
-        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 0)
+        monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", 0)
     if case == "too many tokens":  # 10 chunks of 4 rows
-        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 4 * 1003 * 4)
+        monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", 4 * 1003 * 4)
     if case == "setting":  # TORCHPORT_LOSS_WORKSPACE_MIB wins over the module's default: 13 rows a chunk
-        monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", 0)
+        monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", 0)
         monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0.05")
     if case == "setting 0":
         monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0")
@@ -369,7 +370,7 @@ def test_strategy_runs_as_chosen(case, device, flce_impl, monkeypatch):
     reduction = "none" if case == "none" else "sum"
     loss = run(flce_impl, h, w, t.to(device), b, 0.0, reduction)
     loss.backward(torch.ones_like(loss))
-    chunk = flce_module.row_chunk(n, 1003, 4)
+    chunk = plan_module.row_chunk(n, 1003, 4)
     if case in ("rows", "setting"):
         assert chunk and n / chunk > 2 and [r[0] for r in ran] == ["_pass_rows"] and ran[0][1][8] == chunk
     else:
@@ -395,27 +396,27 @@ def test_float16_mean_over_many_tokens(device):
 
 def test_row_chunk():
     # the benchmark's shape: 8 chunks of 1024 tokens, 250.5 MiB of logits (within the 300 MiB of issue 23)
-    assert flce_module.ROWS_WORKSPACE_BYTES == 256 * 2**20 and flce_module.MAX_ROW_CHUNKS == 8
-    assert flce_module.row_chunk(8192, 128256, 2) == 1024
-    assert flce_module.row_chunk(1000, 128256, 2) == 1000  # one chunk: no sum over chunks
-    assert flce_module.row_chunk(8192, 32000, 2) == 4096
-    assert flce_module.row_chunk(8192, 262144, 2) == 0  # 16 chunks of 512: the two passes
-    assert flce_module.row_chunk(8192, 128256, 4) == 0  # float32: 16 chunks of 523
-    assert flce_module.row_chunk(4096, 128256, 4) == 512
-    assert flce_module.row_chunk(0, 1000, 2) == 0
+    assert plan_module.ROWS_WORKSPACE_BYTES == 256 * 2**20 and plan_module.MAX_ROW_CHUNKS == 8
+    assert plan_module.row_chunk(8192, 128256, 2) == 1024
+    assert plan_module.row_chunk(1000, 128256, 2) == 1000  # one chunk: no sum over chunks
+    assert plan_module.row_chunk(8192, 32000, 2) == 4096
+    assert plan_module.row_chunk(8192, 262144, 2) == 0  # 16 chunks of 512: the two passes
+    assert plan_module.row_chunk(8192, 128256, 4) == 0  # float32: 16 chunks of 523
+    assert plan_module.row_chunk(4096, 128256, 4) == 512
+    assert plan_module.row_chunk(0, 1000, 2) == 0
 
 
 def test_row_chunk_follows_the_setting(monkeypatch):
     monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "512")
-    assert flce_module.rows_workspace_bytes() == 512 * 2**20
-    assert flce_module.row_chunk(8192, 128256, 2) == 2048  # 4 chunks of 501 MiB
+    assert plan_module.rows_workspace_bytes() == 512 * 2**20
+    assert plan_module.row_chunk(8192, 128256, 2) == 2048  # 4 chunks of 501 MiB
     monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "128")
-    assert flce_module.row_chunk(8192, 128256, 2) == 0  # 16 chunks: the two passes
-    assert flce_module.row_chunk(4096, 128256, 2) == 512
+    assert plan_module.row_chunk(8192, 128256, 2) == 0  # 16 chunks: the two passes
+    assert plan_module.row_chunk(4096, 128256, 2) == 512
     monkeypatch.setenv("TORCHPORT_LOSS_WORKSPACE_MIB", "0")
-    assert flce_module.row_chunk(16, 1000, 2) == 0
+    assert plan_module.row_chunk(16, 1000, 2) == 0
     monkeypatch.delenv("TORCHPORT_LOSS_WORKSPACE_MIB")
-    assert flce_module.rows_workspace_bytes() == flce_module.ROWS_WORKSPACE_BYTES
+    assert plan_module.rows_workspace_bytes() == plan_module.ROWS_WORKSPACE_BYTES
 
 
 @pytest.mark.parametrize("value", ["-1", "lots", "inf"])
@@ -467,9 +468,9 @@ def test_peak_memory_within_workspace(strategy, device, monkeypatch):
         pytest.skip(f"{device.type} reports no peak memory")
     n, hidden_size, vocab = 512, 128, 16000
     budget = 2**20 if strategy == "columns" else n // 8 * vocab * 2
-    monkeypatch.setattr(flce_module, "WORKSPACE_BYTES", budget)
-    monkeypatch.setattr(flce_module, "ROWS_WORKSPACE_BYTES", budget if strategy == "rows" else 0)
-    assert flce_module.row_chunk(n, vocab, 2) == (n // 8 if strategy == "rows" else 0)
+    monkeypatch.setattr(plan_module, "WORKSPACE_BYTES", budget)
+    monkeypatch.setattr(plan_module, "ROWS_WORKSPACE_BYTES", budget if strategy == "rows" else 0)
+    assert plan_module.row_chunk(n, vocab, 2) == (n // 8 if strategy == "rows" else 0)
     gen = torch.Generator().manual_seed(0)
     h = torch.randn(n, hidden_size, generator=gen).to(device, torch.bfloat16).requires_grad_()
     w = (torch.randn(vocab, hidden_size, generator=gen) / 16).to(device, torch.bfloat16).requires_grad_()

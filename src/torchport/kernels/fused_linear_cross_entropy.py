@@ -3,12 +3,12 @@
 For N tokens, hidden size H and vocabulary V, the logits are N·V values (2 GiB in bf16 for 8192 x 128256) and
 the gradients must be formed from them; the op keeps at most a *workspace* of them at a time beyond its outputs and
 gradients, and computes the gradients in the forward (the backward only multiplies by the upstream gradient).
-:mod:`torchport.kernels.linear_ce_passes` describes and runs its two strategies (and holds their constants:
-``ROWS_WORKSPACE_BYTES``, ``MAX_ROW_CHUNKS``, ``WORKSPACE_BYTES``): chunks of whole rows, three matmuls, with
-``grad_weight`` summed over at most 8 chunks within 256 MiB (``TORCHPORT_LOSS_WORKSPACE_MIB`` sets another size)
-where the weight's gradient is wanted, the reduction is a mean or a sum and the inputs are not float16; otherwise
-two passes, four matmuls, every gradient rounded once, within :func:`workspace_bytes` (48 MiB, or 3/4 of the hidden
-states' size when that is more).
+:mod:`torchport.kernels.linear_ce_passes` describes and runs its two strategies, and
+:mod:`torchport.kernels.linear_ce_plan` sizes them (``ROWS_WORKSPACE_BYTES``, ``MAX_ROW_CHUNKS``,
+``WORKSPACE_BYTES``): chunks of whole rows, three matmuls, with ``grad_weight`` summed over at most 8 chunks within
+256 MiB (``TORCHPORT_LOSS_WORKSPACE_MIB`` sets another size) where the weight's gradient is wanted, the reduction is
+a mean or a sum and the inputs are not float16; otherwise two passes, four matmuls, every gradient rounded once,
+within :func:`workspace_bytes` (48 MiB, or 3/4 of the hidden states' size when that is more).
 
 ``num_items_in_batch`` (Hugging Face Trainer's gradient-accumulation convention): the loss is the *sum* over the
 non-ignored tokens of this micro-batch divided by ``num_items_in_batch`` — exactly
@@ -38,8 +38,8 @@ from ._autograd import autograd_enabled, vjp
 from .checks import capturing, check_floating, check_same_device, check_same_dtype, widen
 from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
                             mark_bad_targets, per_row_losses)
-from .linear_ce_passes import (RESCALE_MARGIN, TORCH_MATH, Blocks, blocks, linear_cross_entropy, row_chunk,
-                               triton_math, workspace_bytes)
+from .linear_ce_passes import RESCALE_MARGIN, TORCH_MATH, linear_cross_entropy, triton_math
+from .linear_ce_plan import Blocks, blocks, row_chunk, workspace_bytes
 from .spec import CustomOp, OpSpec, randn, targets
 
 __all__ = ["RESCALE_MARGIN", "Blocks", "FusedLinearCrossEntropyLoss", "blocks",
