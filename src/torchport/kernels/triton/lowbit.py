@@ -249,8 +249,7 @@ def _launch_int4_mma(config: autotune.Config, x: torch.Tensor, t: dict[str, Any]
         ASM=nvidia(x.device) and x.dtype in (torch.bfloat16, torch.float16), EVEN=n % block_n == 0,
         PREFETCH=bool(config.get("PREFETCH", 0)), SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type == "cpu", BLOCK_N=block_n,
-        BLOCK_M=DECODE_ROWS,
-        num_warps=config["num_warps"], num_stages=config.get("num_stages", 3),
+        BLOCK_M=DECODE_ROWS, num_warps=config["num_warps"], num_stages=config.get("num_stages", 3),
     )
     return y
 
