@@ -64,6 +64,7 @@ def cases(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], No
     x, w, b = leaf(4, 64), leaf(64), leaf(64)
     dy = torch.randn(4, 64, generator=gen).to(device, dtype)
     q, k = leaf(1, 2, 4, 16), leaf(1, 1, 4, 16)
+    dq, dk = (torch.randn(t.shape, generator=gen).to(device, dtype) for t in (q, k))
     cos, sin = (t.to(device, dtype) for t in torchport.kernels.spec.rope_tables(4, 16))
     logits, target = leaf(4, 96), torch.tensor([1, 5, -100, 7], device=device)
     kernels = torchport.kernels
@@ -73,7 +74,8 @@ def cases(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], No
         "torchport layer_norm fwd+bwd": lambda: kernels.layer_norm(x, w, b).backward(dy),
         "torchport swiglu fwd+bwd": lambda: kernels.swiglu(x, b.expand(4, 64)).backward(dy),
         "torchport geglu fwd+bwd": lambda: kernels.geglu(x, b.expand(4, 64)).backward(dy),
-        "torchport rope fwd+bwd": lambda: sum(o.sum() for o in kernels.rope(q, k, cos, sin)).backward(),
+        # both outputs' upstream gradients given, as LayerNorm's row gives its one: no reduction ops in the step
+        "torchport rope fwd+bwd": lambda: torch.autograd.backward(kernels.rope(q, k, cos, sin), (dq, dk)),
         "torchport cross_entropy fwd+bwd": lambda: kernels.cross_entropy(logits, target).backward(),
     }
 

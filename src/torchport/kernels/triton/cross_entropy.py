@@ -198,6 +198,9 @@ class Launch:
     prefetch: bool = False
 
 
+_ROWS, _CHUNKED = Kernel(_rows_kernel), Kernel(_chunked_kernel)
+
+
 def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
     """The launch :func:`loss_and_grad` uses for ``n`` rows of ``v`` logits of ``element_size`` bytes."""
     width = next_power_of_2(max(v, 1))
@@ -242,15 +245,14 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     args = (logits, dx, target, loss, grad_scale, logits.stride(0), dx.stride(0), n, v, int(ignore_index),
             float(label_smoothing), float(z_loss))
     if plan.kind == "rows":
-        _rows_kernel[(cdiv(n, plan.block),)](*args, WANT_GRAD=grad_out is not None, BLOCK_M=plan.block,
-                                             BLOCK_V=next_power_of_2(v), num_warps=plan.warps)
+        _ROWS.launch((cdiv(n, plan.block),), *args, WANT_GRAD=grad_out is not None, BLOCK_M=plan.block,
+                     BLOCK_V=next_power_of_2(v), num_warps=plan.warps)
     else:
         block = min(plan.block, next_power_of_2(v))
         programs = n if plan.per_sm == 0 else min(n, sms * plan.per_sm)
-        _chunked_kernel[(programs,)](*args, WANT_GRAD=grad_out is not None, BLOCK=block, REVERSE=plan.reverse,
-                                     KEEP="evict_last" if plan.evict else "",
-                                     DROP="evict_first" if plan.evict else "",
-                                     PREFETCH=plan.prefetch, num_warps=plan.warps)
+        _CHUNKED.launch((programs,), *args, WANT_GRAD=grad_out is not None, BLOCK=block, REVERSE=plan.reverse,
+                        KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
+                        PREFETCH=plan.prefetch, num_warps=plan.warps)
     return loss
 
 
@@ -320,6 +322,9 @@ def _scale_kernel(DX, G, M, V, stride_dx, stride_g, BLOCK: tl.constexpr):
                 tl.store(dx_row + offs, (v * g).to(DX.dtype.element_ty), mask=ok)
 
 
+_SCALE = Kernel(_scale_kernel)
+
+
 def scale_rows(grad: torch.Tensor, factor: torch.Tensor) -> None:
     """``grad[i] *= factor[i]`` (or ``*= factor`` for a scalar) in place, skipping factors that are exactly 1
     without a host synchronisation (so ``loss.backward()`` costs one small launch, and a CUDA graph can hold it)."""
@@ -329,8 +334,8 @@ def scale_rows(grad: torch.Tensor, factor: torch.Tensor) -> None:
     stride_g = 0 if factor.numel() == 1 else factor.stride(0)
     programs = min(n, multiprocessor_count(grad.device) * 8)
     block = min(_BLOCK, next_power_of_2(v))
-    _scale_kernel[(programs,)](grad, factor, n, v, grad.stride(0), stride_g, BLOCK=block,
-                               num_warps=8 if block >= 2048 else 4)
+    _SCALE.launch((programs,), grad, factor, n, v, grad.stride(0), stride_g, BLOCK=block,
+                  num_warps=8 if block >= 2048 else 4)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
