@@ -107,6 +107,26 @@ def test_fastest_candidate_is_chosen_and_written(cache_dir, monkeypatch):
                                                       f"{tunable.name} float32 n=64"]
 
 
+def test_per_device_candidates_see_the_device(monkeypatch):
+    """A tunable made with ``per_device=True`` lists its candidates for the launch's device (its heuristic too, used
+    untimed with tuning off); the others are called with the bucket alone."""
+    seen = []
+
+    def listed(n, device=None):
+        seen.append((n, device))
+        return [{"x": 1 if device is not None and device.type == "meta" else 0}, {"x": 2}]
+
+    tunable = autotune.Tunable(f"test.kernel{next(_names)}", ("n",), lambda n: (next_power_of_2(n),), listed,
+                               per_device=True)
+    autotune.set_enabled(False)
+    assert tunable.tune(torch.device("meta"), torch.float32, (60,), lambda c: None) == {"x": 1}
+    assert tunable.tune(CPU, torch.float32, (60,), lambda c: None) == {"x": 0}
+    assert seen == [(64, torch.device("meta")), (64, CPU)]
+    plain = autotune.Tunable(f"test.kernel{next(_names)}", ("n",), lambda n: (next_power_of_2(n),),
+                             lambda n: [{"x": n}])
+    assert plain.tune(CPU, torch.float32, (60,), lambda c: None) == {"x": 64}
+
+
 def test_heuristic_is_kept_within_timing_noise(monkeypatch):
     monkeypatch.setattr(autotune, "timer", _timer({0: 1.0, 1: 0.99, 2: 1.2}))
     assert _tunable(CONFIGS).tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 0}

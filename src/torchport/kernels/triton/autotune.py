@@ -79,6 +79,8 @@ class Tunable:
         candidates: ``candidates(*bucket)`` -> configurations (dicts of ints), the heuristic first, at most six.
             Every candidate must be valid for every shape in the bucket and compute the same result up to float
             rounding.
+        per_device: call ``candidates(*bucket, device=device)`` instead, for kernels whose best heuristic differs
+            between devices of one type (an NVIDIA or a ROCm GPU, both ``cuda``).
 
     Example:
         >>> FORWARD = Tunable("rms_norm.forward", ("block_n", "rows"), bucket, candidates)
@@ -87,10 +89,10 @@ class Tunable:
         ...     config = FORWARD.tune(x.device, x.dtype, (m, n), lambda c: launch(c, x, y))
     """
 
-    __slots__ = ("name", "fields", "bucket", "candidates", "_memo", "_chosen")
+    __slots__ = ("name", "fields", "bucket", "candidates", "per_device", "_memo", "_chosen")
 
     def __init__(self, name: str, fields: Sequence[str], bucket: Callable[..., tuple[int, ...]],
-                 candidates: Callable[..., list[Config]]) -> None:
+                 candidates: Callable[..., list[Config]], per_device: bool = False) -> None:
         with _lock:
             if name in _tunables:
                 raise ValueError(f"a tunable kernel named {name!r} already exists; registered: {', '.join(_tunables)}")
@@ -99,6 +101,7 @@ class Tunable:
         self.fields = tuple(fields)
         self.bucket = bucket
         self.candidates = candidates
+        self.per_device = per_device
         self._memo: dict[tuple[Any, ...], Config] = {}  # (device, dtype, *sizes) -> config: the hot path
         self._chosen: dict[tuple[Any, ...], Config] = {}  # (device, dtype, bucket) -> config
 
@@ -145,7 +148,8 @@ class Tunable:
     def _choose(self, device: torch.device, dtype: torch.dtype, bucket: tuple[int, ...],
                 launch: Launch) -> tuple[Config, bool]:
         """(configuration, whether to remember it in this process)."""
-        candidates = [dict(c) for c in self.candidates(*bucket)]
+        listed = self.candidates(*bucket, device=device) if self.per_device else self.candidates(*bucket)
+        candidates = [dict(c) for c in listed]
         if not candidates:
             raise ValueError(f"{self.name}: no candidate configuration for bucket {bucket}")
         heuristic = candidates[0]

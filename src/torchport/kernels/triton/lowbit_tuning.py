@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import functools
 
-from . import autotune, next_power_of_2
+import torch
+
+from . import autotune, multiprocessor_count, next_power_of_2, nvidia
 from .lowbit_decode import FORMAT_IDS
 
 __all__ = ["DECODE_ROWS", "DENSE", "GEMM", "GEMV", "GEMV_TILED", "INT4_MMA", "MMA", "PER_CHANNEL", "ROWS", "TUNED",
-           "TUNED_GEMV", "TUNED_PREFILL", "candidates", "gemv_candidates", "int4_mma_candidates", "prefill_candidates",
+           "TUNED_GEMV", "TUNED_PREFILL", "candidates", "gemv_candidates", "int4_mma_candidates", "int4_mma_heuristic",
+           "prefill_candidates",
            "tiled_candidates", "words_fit"]
 
 PER_CHANNEL = ("int8", "fp8")
@@ -24,11 +27,19 @@ def _bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
     return next_power_of_2(m), next_power_of_2(n), next_power_of_2(k), group
 
 
-def candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Config]:
+def candidates(fmt: str, m: int, n: int, k: int, group: int,
+               device: torch.device | None = None) -> list[autotune.Config]:
     """2-16 rows: the decode-in-prologue GEMM (output-feature block, K block, warps, stages; the K split is derived
     at launch so that (n-blocks x splits) gives every multiprocessor about four programs) with the heuristic first,
     the earlier tensor-core kernel, the one-row kernel once per row (up to 4 rows: measured slower than the tensor
-    cores from 8 rows on, RESULTS.md), dequantise + dense matmul, and for int4 :func:`int4_mma_candidates`."""
+    cores from 8 rows on, RESULTS.md), dequantise + dense matmul, and for int4 :func:`int4_mma_candidates`.
+
+    On an NVIDIA GPU the int4 tensor-core kernel comes first, so it is also what runs where nothing is timed (a
+    CUDA graph captured before any eager call of that shape, tuning turned off): at 4 and 16 rows it ran 1.4-2.3x
+    bf16 on an 8B model's layers where the GEMM gave 1.05-1.5x (H100, H200; RESULTS.md, issue 24). Its K split is
+    then the one that gives every multiprocessor about four programs (2 for gate/up, 8 for q/o, k/v and down on an
+    H100; the tuner's choices there). Elsewhere (ROCm, the interpreter) it decodes with integer operations,
+    unmeasured, and stays a candidate behind the GEMM."""
     configs = []
     for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
                                             (64, 256, 8, 3)):
@@ -42,7 +53,20 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int) -> list[autotune.Co
         for block_n, block_w, warps in ((8, 128, 4), (4, 256, 4), (4, 128, 4)):
             configs.append({"KERNEL": ROWS, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps})
     configs.append({"KERNEL": DENSE})
-    return autotune.distinct(configs + int4_mma_candidates(fmt, n, k, group))
+    mma = int4_mma_candidates(fmt, n, k, group)
+    if mma and device is not None and nvidia(device):
+        return autotune.distinct([int4_mma_heuristic(n, k, group, multiprocessor_count(device))] + mma + configs)
+    return autotune.distinct(configs + mma)
+
+
+def int4_mma_heuristic(n: int, k: int, group: int, multiprocessors: int) -> autotune.Config:
+    """The int4 tensor-core kernel's untimed configuration: 128 output features, 4 warps, the next group's scales
+    ahead, and K split so that the programs number about four per multiprocessor (a power of two from 1 to 8, at
+    least two groups a part)."""
+    blocks = -(-n // 128)
+    split = max(1, min(8, max(1, k // group) // 2, -(-4 * multiprocessors // blocks)))
+    split = 1 << (split.bit_length() - 1)
+    return {"KERNEL": INT4_MMA, "BLOCK_N": 128, "num_warps": 4, "PREFETCH": 1, "SPLIT": split, "num_stages": 3}
 
 
 def int4_mma_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
@@ -145,7 +169,7 @@ def tiled_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Conf
 
 
 TUNED = {fmt: autotune.Tunable(f"lowbit_matmul.{fmt}", ("m", "n", "k", "group"), _bucket,
-                                functools.partial(candidates, fmt)) for fmt in FORMAT_IDS}
+                                functools.partial(candidates, fmt), per_device=True) for fmt in FORMAT_IDS}
 TUNED_GEMV = {fmt: autotune.Tunable(f"lowbit_gemv.{fmt}", ("n", "k", "group"), _gemv_bucket,
                                      functools.partial(gemv_candidates, fmt)) for fmt in FORMAT_IDS}
 TUNED_PREFILL = {fmt: autotune.Tunable(f"lowbit_prefill.{fmt}", ("m", "n", "k", "group"), _prefill_bucket,
