@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import gc
 import json
 import math
@@ -46,6 +47,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -293,7 +295,9 @@ def make(base: Llama, contender: str) -> Llama:
     return model
 
 
-def run(args: argparse.Namespace) -> list[dict[str, Any]]:
+def run(args: argparse.Namespace, save: Callable[[list[dict[str, Any]], bool], None] | None = None
+        ) -> list[dict[str, Any]]:
+    """Every contender's row; ``save(rows, complete)`` after each one (a run cut short keeps what it measured)."""
     import torchport
 
     device = torch.device(args.device) if args.device else torchport.device()
@@ -338,6 +342,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
             torchport.empty_cache()
         rows.append(row)
         print(json.dumps(row), flush=True)
+        if save is not None:
+            save(rows, False)
     if args.profile and device.type == "cuda":  # last: see the module's docstring
         for row in rows:
             if "error" in row:
@@ -433,28 +439,36 @@ def main() -> None:
     parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")
     parser.add_argument("--profile", action="store_true",
                         help="also record each contender's GPU kernel time of one prefill and one decode step")
-    parser.add_argument("--json", default=None, help="write the rows to this file")
+    parser.add_argument("--json", default=None,
+                        help="write the rows to this file, after each contender (meta.complete: false) and at the end")
     args = parser.parse_args()
     model_def.OPS = model_def.PlainOps if args.plain_ops else model_def.FusedOps
     if any(b < 1 for b in args.decode_batch):
         parser.error(f"--decode-batch takes sizes of at least 1, not {args.decode_batch}")
-    rows = run(args)
+    save = functools.partial(write_json, args.json, args) if args.json else None
+    rows = run(args, save)
     print(table(rows))
     if args.decode_batch:
         print(batch_table(rows, args.decode_batch))
     if args.profile:
         print(profile_table(rows))
-    if args.json:
-        import torchport
-        from torchport.backends import get_backend
+    if save is not None:
+        save(rows, True)
 
-        device = torch.device(args.device) if args.device else torchport.device()
-        meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__, "shape": "small" if args.small else "8b",
-                "decode_tokens": args.decode_tokens, "decode_batch": args.decode_batch,
-                "prefill_tokens": args.prefill_tokens,
-                "ops": "plain" if args.plain_ops else "torchport kernels"}
-        with open(args.json, "w") as f:
-            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+
+def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], complete: bool) -> None:
+    """The rows and the run's settings; ``complete`` is false in the file written after each contender, until the
+    ratios to bf16 (and ``--profile``'s figures) are in."""
+    import torchport
+    from torchport.backends import get_backend
+
+    device = torch.device(args.device) if args.device else torchport.device()
+    meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__,
+            "shape": "small" if args.small else "8b", "decode_tokens": args.decode_tokens,
+            "decode_batch": args.decode_batch, "prefill_tokens": args.prefill_tokens,
+            "ops": "plain" if args.plain_ops else "torchport kernels", "complete": complete}
+    with open(path, "w") as f:
+        json.dump({"meta": meta, "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
