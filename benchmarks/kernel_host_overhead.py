@@ -55,7 +55,7 @@ def per_call_us(fn: Callable[[], None], device: torch.device, calls: int, repeat
 
 
 def cases(device: torch.device, dtype: torch.dtype) -> dict[str, Callable[[], None]]:
-    """The tiny forward + backward steps: a 4 x 64 input (4 x 96 logits), one upstream gradient."""
+    """The tiny forward + backward steps: a 4 x 64 input (4 x 96 logits), an upstream gradient per output."""
     gen = torch.Generator().manual_seed(0)
 
     def leaf(*shape: int) -> torch.Tensor:
