@@ -37,9 +37,10 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int,
     On an NVIDIA GPU the int4 tensor-core kernel comes first, so it is also what runs where nothing is timed (a
     CUDA graph captured before any eager call of that shape, tuning turned off): at 4 and 16 rows it ran 1.4-2.3x
     bf16 on an 8B model's layers where the GEMM gave 1.05-1.5x (H100, H200; RESULTS.md, issue 24). Its K split is
-    then the one that gives every multiprocessor about four programs (2 for gate/up, 8 for q/o, k/v and down on an
-    H100; the tuner's choices there). Elsewhere (ROCm, the interpreter) it decodes with integer operations,
-    unmeasured, and stays a candidate behind the GEMM."""
+    then the one that gives every multiprocessor about four programs: on 132 of them 8 for q/o, k/v and down, 2 for
+    gate/up merged, 1 for the LM head (the tuner chose 4-8, 8, 1-2 and 1 on those layers of an H100 and an H200).
+    Elsewhere (ROCm, the interpreter) it decodes with integer operations, unmeasured, and stays a candidate behind
+    the GEMM."""
     configs = []
     for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
                                             (64, 256, 8, 3)):
