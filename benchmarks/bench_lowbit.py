@@ -467,8 +467,10 @@ def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], 
             "shape": "small" if args.small else "8b", "decode_tokens": args.decode_tokens,
             "decode_batch": args.decode_batch, "prefill_tokens": args.prefill_tokens,
             "ops": "plain" if args.plain_ops else "torchport kernels", "complete": complete}
-    with open(path, "w") as f:
+    partial = f"{path}.partial"
+    with open(partial, "w") as f:  # then renamed: a run killed while writing keeps the previous file whole
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    os.replace(partial, path)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import pytest
@@ -155,7 +156,6 @@ def test_triton_int4_tensor_core_kernel(dtype, device):
         x, bias = x64.to(device, dtype), bias64.to(device, dtype)
         configs = lowbit_tuning.int4_mma_candidates("int4", n, k, group)
         assert {c["SPLIT"] for c in configs} >= {1, 2} and {c["KERNEL"] for c in configs} == {lowbit_tuning.INT4_MMA}
-        configs.append(lowbit_tuning.int4_mma_heuristic(n, k, group, 132))  # what an NVIDIA GPU runs untimed
         for config in configs:
             for with_bias in (True, False):
                 y = lowbit._launch_int4_mma(config, x, t, group, bias if with_bias else None)
@@ -168,9 +168,10 @@ def test_triton_int4_tensor_core_kernel(dtype, device):
 
 
 def test_int4_tensor_core_kernel_is_the_heuristic_on_nvidia_gpus_only(monkeypatch):
-    """2-16 rows of int4: on an NVIDIA GPU the tensor-core kernel is the untimed choice, its K split giving about
-    four programs per multiprocessor (8 for the q/o, k/v and down layers of an 8B model on 132 multiprocessors, 2
-    for gate/up merged, 1 for the LM head); elsewhere, and for the other formats, the GEMM stays first."""
+    """2-16 rows of int4 in groups of 64-256: on an NVIDIA GPU the tensor-core kernel is the untimed choice, its K
+    split giving about four programs per multiprocessor (8 for the q/o, k/v and down layers of an 8B model on 132
+    multiprocessors, 2 for gate/up merged, 1 for the LM head); elsewhere, for longer groups and for the other
+    formats, the GEMM stays first."""
     pytest.importorskip("triton")
     from torchport.kernels.triton import lowbit_tuning
 
@@ -179,14 +180,22 @@ def test_int4_tensor_core_kernel_is_the_heuristic_on_nvidia_gpus_only(monkeypatc
                            (4096, 512))}
     assert splits == {(4096, 4096): 8, (1024, 4096): 8, (4096, 14336): 8, (28672, 4096): 2, (14336, 4096): 4,
                       (128256, 4096): 1, (4096, 512): 2}
+    # always one of the timed candidates (so a cached choice and the untimed one are checked alike)
+    for n, k, group, sms in itertools.product((16, 1024, 4096, 28672, 131072), (128, 512, 4096, 16384),
+                                              (64, 128, 256), (8, 132, 144)):
+        if k >= group:
+            assert lowbit_tuning.int4_mma_heuristic(n, k, group, sms) in \
+                lowbit_tuning.int4_mma_candidates("int4", n, k, group), (n, k, group, sms)
     gpu = torch.device("cuda", 0)
-    assert lowbit_tuning.candidates("int4", 4, 4096, 4096, 128, gpu)[0]["KERNEL"] == lowbit_tuning.GEMM  # not NVIDIA
-    monkeypatch.setattr(lowbit_tuning, "nvidia", lambda device: device.type == "cuda")
     monkeypatch.setattr(lowbit_tuning, "multiprocessor_count", lambda device: 132)
+    monkeypatch.setattr(lowbit_tuning, "nvidia", lambda device: False)  # a ROCm GPU, also called cuda
+    assert lowbit_tuning.candidates("int4", 4, 4096, 4096, 128, gpu)[0]["KERNEL"] == lowbit_tuning.GEMM
+    monkeypatch.setattr(lowbit_tuning, "nvidia", lambda device: device.type == "cuda")
     first = lowbit_tuning.candidates("int4", 4, 28672, 4096, 128, gpu)
     assert first[0] == lowbit_tuning.int4_mma_heuristic(28672, 4096, 128, 132)
     assert sorted(map(str, first)) == sorted(map(str, lowbit_tuning.candidates("int4", 4, 28672, 4096, 128)))
     assert lowbit_tuning.candidates("int4", 4, 4096, 4096, 32, gpu)[0]["KERNEL"] == lowbit_tuning.GEMM  # K = 8 dots
+    assert lowbit_tuning.candidates("int4", 4, 4096, 4096, 1024, gpu)[0]["KERNEL"] == lowbit_tuning.GEMM  # untimed
     assert lowbit_tuning.candidates("mxfp4", 4, 4096, 4096, 32, gpu)[0]["KERNEL"] == lowbit_tuning.GEMM
     assert lowbit_tuning.candidates("int4", 4, 4096, 4096, 128, torch.device("cpu"))[0]["KERNEL"] == \
         lowbit_tuning.GEMM

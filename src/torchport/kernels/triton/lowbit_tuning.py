@@ -21,6 +21,7 @@ DECODE_ROWS = 16  # up to this many rows the decode kernels compete; above it, p
 # the kernels a configuration can name (``KERNEL``)
 GEMV, GEMV_TILED, MMA, ROWS, DENSE, GEMM, INT4_MMA = range(7)
 INT4_MMA_MIN_GROUP = 64  # its dots run over K = group / 4 codes, and tensor cores take K >= 16
+INT4_MMA_FIRST_MAX_GROUP = 256  # a step holds one whole group: the untimed choice only where that was measured
 
 
 def _bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
@@ -34,13 +35,14 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int,
     the earlier tensor-core kernel, the one-row kernel once per row (up to 4 rows: measured slower than the tensor
     cores from 8 rows on, RESULTS.md), dequantise + dense matmul, and for int4 :func:`int4_mma_candidates`.
 
-    On an NVIDIA GPU the int4 tensor-core kernel comes first, so it is also what runs where nothing is timed (a
-    CUDA graph captured before any eager call of that shape, tuning turned off): at 4 and 16 rows it ran 1.4-2.3x
-    bf16 on an 8B model's layers where the GEMM gave 1.05-1.5x (H100, H200; RESULTS.md, issue 24). Its K split is
-    then the one that gives every multiprocessor about four programs: on 132 of them 8 for q/o, k/v and down, 2 for
-    gate/up merged, 1 for the LM head (the tuner chose 4-8, 8, 1-2 and 1 on those layers of an H100 and an H200).
-    Elsewhere (ROCm, the interpreter) it decodes with integer operations, unmeasured, and stays a candidate behind
-    the GEMM."""
+    On an NVIDIA GPU, for groups of 64-256, the int4 tensor-core kernel comes first, so it is also what runs where
+    nothing is timed. With tuning turned off it ran 1.7-2.5x bf16 on an 8B model's layers at 2-16 rows where the
+    GEMM gave 1.25-1.6x (H100; RESULTS.md, issue 24), its K split the one that gives every multiprocessor about
+    four programs: on 132 of them 8 for q/o, k/v and down, 2 for gate/up merged, 1 for the LM head (the tuner chose
+    4-8, 8, 1-2 and 1 on those layers of an H100 and an H200). In a CUDA graph captured before any eager call of
+    the shape, no kernel can split K (its workspace cannot be made during a capture), so it runs unsplit there, as
+    the GEMM would; that case was not timed. Elsewhere (ROCm, the interpreter) it decodes with integer operations,
+    unmeasured, and stays a candidate behind the GEMM."""
     configs = []
     for block_n, block_k, warps, stages in ((32, 256, 4, 3), (64, 128, 4, 3), (16, 256, 4, 3), (32, 128, 4, 4),
                                             (64, 256, 8, 3)):
@@ -55,15 +57,15 @@ def candidates(fmt: str, m: int, n: int, k: int, group: int,
             configs.append({"KERNEL": ROWS, "BLOCK_N": block_n, "BLOCK_W": block_w, "num_warps": warps})
     configs.append({"KERNEL": DENSE})
     mma = int4_mma_candidates(fmt, n, k, group)
-    if mma and device is not None and nvidia(device):
+    if mma and group <= INT4_MMA_FIRST_MAX_GROUP and device is not None and nvidia(device):
         return autotune.distinct([int4_mma_heuristic(n, k, group, multiprocessor_count(device))] + mma + configs)
     return autotune.distinct(configs + mma)
 
 
 def int4_mma_heuristic(n: int, k: int, group: int, multiprocessors: int) -> autotune.Config:
     """The int4 tensor-core kernel's untimed configuration: 128 output features, 4 warps, the next group's scales
-    ahead, and K split so that the programs number about four per multiprocessor (a power of two from 1 to 8, at
-    least two groups a part)."""
+    ahead, and K split so that the programs number about four per multiprocessor (a power of two from 1 to 8, and
+    at most half the groups): one of :func:`int4_mma_candidates`' configurations."""
     blocks = -(-n // 128)
     split = max(1, min(8, max(1, k // group) // 2, -(-4 * multiprocessors // blocks)))
     split = 1 << (split.bit_length() - 1)
