@@ -360,7 +360,7 @@ def test_triton_launches_make_a_bad_target_nan(device):
 def test_the_triton_count_and_sum_match_torch(device):
     if not _triton_runs(device):
         pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
-    from torchport.kernels.triton import cross_entropy as kernel
+    from torchport.kernels.triton import loss_reduce as kernel
 
     gen = torch.Generator().manual_seed(3)
     for n in (1, 1023, 2500, 9000):  # one step for the first three; two steps of 8192 for the last

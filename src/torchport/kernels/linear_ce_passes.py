@@ -81,9 +81,9 @@ def _whole_rows_triton(x: torch.Tensor, target: torch.Tensor, ignore_index: int,
 
 
 def triton_math() -> SliceMath:
-    from .triton import cross_entropy, linear_ce_slices
+    from .triton import linear_ce_slices, loss_reduce
 
-    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, cross_entropy.scale_rows,
+    return SliceMath(linear_ce_slices.slice_stats, linear_ce_slices.slice_grad, loss_reduce.scale_rows,
                      _whole_rows_triton)
 
 

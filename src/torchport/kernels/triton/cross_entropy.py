@@ -30,9 +30,10 @@ Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
 rows get zeros. The gradient goes into a fresh buffer, or over the logits themselves when the caller opts in
 (``in_place``). A target outside ``[0, V)`` that is not ``ignore_index`` (only possible where no host read checked
-it) gets a NaN loss and a zero gradient row. The mean's count and the reduced loss are one-program kernels of their
-own (:func:`mean_scale`, :func:`reduce_rows`), so that a forward and backward is four launches in all: a CUDA graph
-of the op measured 22 launches and 25 µs more at 8192 x 8192 when these were PyTorch operations (RESULTS.md).
+it) gets a NaN loss and a zero gradient row. The mean's count, the reduced loss and the backward's scaling are
+one-program kernels of their own (:mod:`.loss_reduce`), so that a forward and backward is four launches in all: a
+CUDA graph of the op measured 22 launches and 25 µs more at 8192 x 8192 when these were PyTorch operations
+(RESULTS.md).
 """
 
 from __future__ import annotations
@@ -47,21 +48,14 @@ import triton.language as tl
 from .. import registry
 from . import cdiv, multiprocessor_count, next_power_of_2
 from .launch import Kernel
+from .loss_reduce import mean_scale, reduce_rows, scale_rows
 
-__all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad", "mean_scale", "reduce_rows", "scale_rows"]
+__all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad"]
 
 _ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
 _BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
 _EIGHT_WARPS_MAX = 32768  # rows up to this width: a program of 8 warps per row; up to the next, of 16 warps
 _ONE_ROW_PER_PROGRAM_MAX = 65536  # wider rows: a persistent grid, one program of 32 warps per multiprocessor
-_REDUCE_BLOCK = 8192  # at most this many targets or row losses per step of the one-program count and sum
-
-
-def _reduce_launch(n: int) -> tuple[int, int]:
-    """(block, warps) of the one-program count and sum over ``n`` values: the whole of up to 8192 in one step (64 KB
-    of int64 targets), whose loads are then all in flight together."""
-    block = min(_REDUCE_BLOCK, next_power_of_2(max(n, 1)))
-    return block, 16 if block >= 8192 else 8 if block >= 2048 else 4
 
 
 @triton.jit
@@ -254,88 +248,6 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                         KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
                         PREFETCH=plan.prefetch, num_warps=plan.warps)
     return loss
-
-
-@triton.jit
-def _count_kernel(T, N, V, ignore_index, SCALE, BLOCK: tl.constexpr):
-    """SCALE[0] = 1 / max(1, the rows whose target is a class in [0, V)): a mean's scale, in one program."""
-    offs = tl.arange(0, BLOCK)
-    count = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, N, BLOCK):
-        index = start + offs
-        target = tl.load(T + index, mask=index < N, other=ignore_index)
-        count += ((target != ignore_index) & (target >= 0) & (target < V)).to(tl.int32)
-    tl.store(SCALE, 1.0 / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32))
-
-
-@triton.jit
-def _total_kernel(ROWS, N, SCALE, factor, OUT, SCALED: tl.constexpr, BLOCK: tl.constexpr):
-    """OUT[0] = the sum of the N float32 ROWS times ``factor`` (and SCALE[0] where SCALED), summed in float32 in one
-    program and rounded once to OUT's dtype."""
-    offs = tl.arange(0, BLOCK)
-    acc = tl.zeros([BLOCK], dtype=tl.float32)
-    for start in range(0, N, BLOCK):
-        index = start + offs
-        acc += tl.load(ROWS + index, mask=index < N, other=0.0)
-    total = tl.sum(acc, axis=0) * factor
-    if SCALED:
-        total = total * tl.load(SCALE)
-    tl.store(OUT, total.to(OUT.dtype.element_ty))
-
-
-_COUNT, _TOTAL = Kernel(_count_kernel), Kernel(_total_kernel)
-
-
-def mean_scale(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
-    """``1 / max(1, targets that are classes in [0, vocab))`` as a one-element float32 tensor on the targets' device,
-    counted there by one small kernel (no host read, so a CUDA graph can hold it)."""
-    scale = torch.empty(1, dtype=torch.float32, device=target.device)
-    block, warps = _reduce_launch(target.numel())
-    _COUNT.launch((1,), target, target.numel(), vocab, int(ignore_index), scale, BLOCK=block, num_warps=warps)
-    return scale
-
-
-def reduce_rows(rows: torch.Tensor, scale: float | torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``(rows.sum() * scale).to(dtype)`` for float32 ``rows`` in one launch (a NaN row makes the result NaN)."""
-    out = torch.empty((), dtype=dtype, device=rows.device)
-    scaled = isinstance(scale, torch.Tensor)
-    block, warps = _reduce_launch(rows.numel())
-    _TOTAL.launch((1,), rows, rows.numel(), scale if scaled else rows, 1.0 if scaled else float(scale), out,
-                  SCALED=scaled, BLOCK=block, num_warps=warps)
-    return out
-
-
-@triton.jit
-def _scale_kernel(DX, G, M, V, stride_dx, stride_g, BLOCK: tl.constexpr):
-    """Rows of DX times G[row] in place; rows whose factor is exactly 1 are not touched."""
-    pid = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    for row in range(pid, M, tl.num_programs(0)):
-        row64 = tl.zeros([], dtype=tl.int64) + row  # 64-bit offsets (the loop variable is 32-bit)
-        g = tl.load(G + row64 * stride_g).to(tl.float32)
-        if g != 1.0:
-            dx_row = DX + row64 * stride_dx
-            for start in range(0, V, BLOCK):
-                offs = start + cols
-                ok = offs < V
-                v = tl.load(dx_row + offs, mask=ok, other=0.0).to(tl.float32)
-                tl.store(dx_row + offs, (v * g).to(DX.dtype.element_ty), mask=ok)
-
-
-_SCALE = Kernel(_scale_kernel)
-
-
-def scale_rows(grad: torch.Tensor, factor: torch.Tensor) -> None:
-    """``grad[i] *= factor[i]`` (or ``*= factor`` for a scalar) in place, skipping factors that are exactly 1
-    without a host synchronisation (so ``loss.backward()`` costs one small launch, and a CUDA graph can hold it)."""
-    n, v = grad.shape
-    if n == 0 or v == 0:
-        return
-    stride_g = 0 if factor.numel() == 1 else factor.stride(0)
-    programs = min(n, multiprocessor_count(grad.device) * 8)
-    block = min(_BLOCK, next_power_of_2(v))
-    _SCALE.launch((programs,), grad, factor, n, v, grad.stride(0), stride_g, BLOCK=block,
-                  num_warps=8 if block >= 2048 else 4)
 
 
 class _CrossEntropyFunction(torch.autograd.Function):
