@@ -68,8 +68,12 @@ def int4_mma_heuristic(n: int, k: int, group: int, multiprocessors: int) -> auto
     at most half the groups): one of :func:`int4_mma_candidates`' configurations."""
     blocks = -(-n // 128)
     split = max(1, min(8, max(1, k // group) // 2, -(-4 * multiprocessors // blocks)))
-    split = 1 << (split.bit_length() - 1)
-    return {"KERNEL": INT4_MMA, "BLOCK_N": 128, "num_warps": 4, "PREFETCH": 1, "SPLIT": split, "num_stages": 3}
+    return _int4_mma_config(128, 4, 1, 1 << (split.bit_length() - 1))
+
+
+def _int4_mma_config(block_n: int, warps: int, ahead: int, split: int) -> autotune.Config:
+    return {"KERNEL": INT4_MMA, "BLOCK_N": block_n, "num_warps": warps, "PREFETCH": ahead, "SPLIT": split,
+            "num_stages": 3}
 
 
 def int4_mma_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.Config]:
@@ -79,12 +83,10 @@ def int4_mma_candidates(fmt: str, n: int, k: int, group: int) -> list[autotune.C
     if fmt != "int4" or group < INT4_MMA_MIN_GROUP:
         return []
     groups = max(1, k // group)
-    configs = []
-    for block_n, warps, ahead, split in ((128, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 2), (128, 4, 1, 1),
-                                         (64, 4, 0, 8), (64, 4, 0, 4), (128, 8, 0, 8)):
-        configs.append({"KERNEL": INT4_MMA, "BLOCK_N": block_n, "num_warps": warps, "PREFETCH": ahead,
-                        "SPLIT": max(1, min(split, groups // 2)), "num_stages": 3})
-    return autotune.distinct(configs)
+    shapes = ((128, 4, 1, 8), (128, 4, 1, 4), (128, 4, 1, 2), (128, 4, 1, 1), (64, 4, 0, 8), (64, 4, 0, 4),
+              (128, 8, 0, 8))
+    return autotune.distinct([_int4_mma_config(block_n, warps, ahead, max(1, min(split, groups // 2)))
+                              for block_n, warps, ahead, split in shapes])
 
 
 def _prefill_bucket(m: int, n: int, k: int, group: int) -> tuple[int, int, int, int]:
