@@ -200,6 +200,94 @@ def test_bad_input_is_a_clear_error(device):
         ce(x, t, z_loss=-1.0)
 
 
+HOST_BOUND_CASES = {  # rows of 8192 logits, z-loss, in_place, forced, checked -> which path runs
+    "16 rows, checked": (16, 0.0, False, False, True, "torch"),
+    "17 rows": (17, 0.0, False, False, True, "triton"),
+    "z-loss": (2, 1e-4, False, False, True, "triton"),
+    "in place": (2, 0.0, True, False, True, "triton"),
+    "forced": (2, 0.0, False, True, True, "triton"),
+    "unchecked (a compiled graph's call)": (2, 0.0, False, False, False, "triton"),
+}
+
+
+@pytest.mark.parametrize("case", list(HOST_BOUND_CASES))
+def test_host_bound_checked_calls_take_torchs_operators(monkeypatch, case):
+    """On an accelerator in auto mode, a call of at most 2^17 logits whose targets the eager check has just read
+    goes to F.cross_entropy (two C++ autograd nodes); z-loss, in_place, a forced implementation and unchecked
+    targets (which F.cross_entropy would meet with a device-side assert) stay on the Triton kernel."""
+    pytest.importorskip("triton")
+    from torchport.kernels.triton import cross_entropy as kernel
+    from torchport.kernels.triton import loss_reduce
+
+    rows, z, in_place, forced_triton, check, path = HOST_BOUND_CASES[case]
+    module = importlib.import_module("torchport.kernels.cross_entropy")  # the package's name is the function
+    ran = []
+    monkeypatch.setattr(loss_reduce, "target_counts", lambda t, ignore, vocab: ran.append(("check",)) or (0, rows))
+    monkeypatch.setattr(module.F, "cross_entropy",
+                        lambda x, t, **kw: ran.append(("torch", x.dtype, kw["reduction"])) or x.sum())
+    monkeypatch.setattr(kernel, "cross_entropy", lambda x, *rest: ran.append(("triton",)) or x.sum())
+    x = torch.empty(rows, 8192, device="meta", dtype=torch.bfloat16)  # an accelerator's tensor, never computed
+    t = torch.empty(rows, device="meta", dtype=torch.long)
+    if forced_triton:
+        monkeypatch.setenv("TORCHPORT_KERNELS", "cross_entropy=triton")
+    fn = registry.implementation("cross_entropy", "triton").fn
+    fn(x, t, IGNORE, 0.1, "mean", z, in_place, None, None, check)
+    want = [("torch", torch.bfloat16, "mean")] if path == "torch" else [("triton",)]
+    assert ran == ([("check",)] if check else []) + want
+    if path != "torch":
+        return
+    # a wider loss dtype computes in it; a mean over no class target is a sum (0, gradients 0), not NaN
+    ran.clear()
+    fn(x, t, IGNORE, 0.0, "mean", 0.0, False, None, torch.float32, True)
+    assert ran == [("check",), ("torch", torch.float32, "mean")]
+    ran.clear()
+    monkeypatch.setattr(loss_reduce, "target_counts", lambda t, ignore, vocab: (0, 0))
+    fn(x, t, IGNORE, 0.0, "mean", 0.0, False, None, None, True)
+    assert ran == [("torch", torch.bfloat16, "sum")]
+
+
+def test_each_implementation_checks_the_targets_when_asked(device, impl):
+    """check=True (an eager call): every implementation reads the targets first and raises the clear error, which
+    the registry passes on as it is (no fallback, no warning); checked good targets give the same loss."""
+    x64, t = make(6, 300, ignored="some")
+    x = x64.float().to(device)
+    bad = t.clone()
+    bad[1] = 300
+    with pytest.raises(ValueError, match=r"vocabulary size 300, and is not ignore_index=-100; targets must be class "
+                                         r"indices in \[0, 300\) or ignore_index"):
+        call("cross_entropy", impl, x, bad.to(device), IGNORE, 0.0, "mean", 0.0, False, None, None, True)
+    out = call("cross_entropy", impl, x, t.to(device), IGNORE, 0.1, "mean", 0.0, False, None, None, True)
+    check_close("loss", out, expected(x64.float().double(), t, 0.1, 0.0, "mean"), torch.float32)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-bound route runs on an accelerator")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_host_bound_call_on_cuda_against_float64(reduction):
+    device = torch.device("cuda")
+    x64, t = make(5, 1003, ignored="some")
+    x64 = x64.bfloat16().double()
+    ref_x = x64.clone().requires_grad_()
+    ref = expected(ref_x, t, 0.1, 0.0, reduction)
+    up = torch.linspace(0.5, 1.5, 5, dtype=torch.float64) if reduction == "none" else torch.tensor(0.7)
+    ref.backward(up)
+    x = x64.to(device, torch.bfloat16).requires_grad_()
+    loss = torchport.kernels.cross_entropy(x, t.to(device), label_smoothing=0.1, reduction=reduction)
+    # torch's C++ nodes (NllLoss, and Add with smoothing), not the Triton path's Python Function
+    assert not isinstance(loss.grad_fn, torch.autograd.function.BackwardCFunction), type(loss.grad_fn).__name__
+    loss.backward(up.to(device, loss.dtype))
+    check_close("loss", loss, ref.detach(), torch.bfloat16)
+    check_close("dlogits", x.grad, ref_x.grad, torch.bfloat16)
+    wide = torchport.kernels.cross_entropy(x, t.to(device), label_smoothing=0.1, reduction=reduction,
+                                           loss_dtype=torch.float32)
+    assert wide.dtype == torch.float32
+    torch.testing.assert_close(wide.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-5)
+    ignored = torch.full_like(t, IGNORE).to(device)
+    zero = torchport.kernels.cross_entropy(x, ignored, reduction=reduction)
+    assert torch.equal(zero.detach().float().cpu(), torch.zeros(zero.shape))  # F.cross_entropy's mean: NaN
+    with pytest.raises(ValueError, match="vocabulary size 1003"):
+        torchport.kernels.cross_entropy(x, torch.full_like(t, 1003).to(device), reduction=reduction)
+
+
 def test_bad_targets_in_a_compiled_graph_make_the_loss_nan():
     # no host read is possible while dynamo traces: the bad row is ignored by the kernel and its loss is NaN
     x = torch.randn(4, 10, requires_grad=True)
@@ -357,7 +445,7 @@ def test_triton_launches_make_a_bad_target_nan(device):
         assert (grad[[0, 1, 2, 3]] == 0).all() and (grad[[4, 5]] != 0).any(), name
 
 
-def test_the_triton_count_and_sum_match_torch(device):
+def test_the_triton_counts_and_sum_match_torch(device):
     if not _triton_runs(device):
         pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
     from torchport.kernels.triton import loss_reduce as kernel
@@ -377,7 +465,11 @@ def test_the_triton_count_and_sum_match_torch(device):
             assert got.shape == () and got.dtype == dtype
             tol = {torch.bfloat16: 8e-3, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]  # one rounding to dtype
             torch.testing.assert_close(got.double().cpu(), want.reshape(()).cpu(), rtol=tol, atol=1e-5)
+        bad = ((t != IGNORE) & ~((t >= 0) & (t < 50))).sum()
+        assert kernel.target_counts(t.to(device), IGNORE, 50) == (int(bad), int(((t >= 0) & (t < 50)).sum()))
     assert kernel.mean_scale(torch.full((5,), IGNORE, device=device), IGNORE, 50).item() == 1.0  # no class: 1/1
+    assert kernel.target_counts(torch.full((5,), IGNORE, device=device), IGNORE, 50) == (0, 0)
+    assert kernel.target_counts(torch.tensor([3, 49, 50, -1], device=device), 3, 50) == (2, 1)  # ignore_index a class
     with_nan = torch.tensor([1.0, float("nan"), 2.0], device=device)
     assert torch.isnan(kernel.reduce_rows(with_nan, 1.0, torch.float32))
 

@@ -70,6 +70,26 @@ def test_unsupported_arguments_fall_back_each_time_without_being_marked_broken(m
     torch.testing.assert_close(torchport.kernels.rms_norm(x, torch.ones(8)), rms_norm_reference(x, torch.ones(8), 1e-6) + 1)
 
 
+def test_input_errors_reach_the_caller_without_a_fallback(monkeypatch, fresh_registry):
+    """An implementation that finds the caller's data bad (InputError, a ValueError) is not broken: the error reaches
+    the caller as it is, nothing warns, nothing falls back, and the implementation stays chosen."""
+    def checking(x, w, eps, offset, in_place):
+        if (x < 0).any():
+            raise registry.InputError("rms_norm: negative input, allowed: x >= 0")
+        return rms_norm_reference(x, w, eps, offset) + 1  # recognisable
+
+    impls = registry._implementations("rms_norm")
+    monkeypatch.setitem(impls, "triton", dataclasses.replace(impls["triton"], fn=checking, devices=frozenset({"cpu"})))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ValueError, match="negative input, allowed: x >= 0"):
+            torchport.kernels.rms_norm(-torch.ones(2, 8), torch.ones(8))
+        x = torch.rand(2, 8)
+        torch.testing.assert_close(torchport.kernels.rms_norm(x, torch.ones(8)),
+                                   rms_norm_reference(x, torch.ones(8), 1e-6) + 1)
+    assert registry.select("rms_norm", x.device).name == "triton"
+
+
 def test_forced_choices_name_what_exists(device):
     x, w = torch.randn(2, 8, device=device), torch.ones(8, device=device)
     with torchport.settings.override(kernels="triton"):

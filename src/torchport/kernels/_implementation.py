@@ -20,12 +20,18 @@ import torch
 
 from ..backends import get_backend
 
-__all__ = ["Implementation", "KernelError", "Unsupported", "fused_op", "fused_op_reason", "fused_op_unavailable",
-           "triton_reason"]
+__all__ = ["Implementation", "InputError", "KernelError", "Unsupported", "fused_op", "fused_op_reason",
+           "fused_op_unavailable", "triton_reason"]
 
 
 class Unsupported(RuntimeError):
     """Raised by an implementation that cannot handle these arguments or this device (the message says why)."""
+
+
+class InputError(ValueError):
+    """Raised by an implementation that finds the caller's data invalid where only the device can see it (a target
+    outside the classes, read on the device): the caller's error, which :func:`~torchport.kernels.registry.call`
+    raises as it is, never a reason to fall back to another implementation."""
 
 
 class KernelError(RuntimeError):

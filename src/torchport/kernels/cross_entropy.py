@@ -16,7 +16,10 @@ Implementations:
   registers up to 4096 classes, an online softmax over the vocabulary in chunks beyond (any vocabulary size, no
   float32 copy of the logits), with the gradient computed in the forward pass and the mean's row count kept on the
   device (no host synchronisation). The backward only multiplies it by the upstream gradient, and skips even that
-  when the upstream gradient is 1.
+  when the upstream gradient is 1. Host-bound eager calls (at most
+  :data:`~torchport.kernels.registry.HOST_BOUND_ELEMENTS` logits, :func:`~torchport.kernels.registry.host_bound`)
+  without z-loss or ``in_place``, whose targets the eager check has just read, go to ``F.cross_entropy`` instead:
+  its two C++ autograd nodes cost the host a fraction of a Python ``Function``'s, for microseconds of device time.
 * ``npu`` on Ascend through ``torch_npu.npu_cross_entropy_loss(input, target, weight, reduction, ignore_index,
   label_smoothing, ...)``, called per row (``reduction="none"``) with ignored rows masked here, because its
   contract takes targets in ``[0, C)`` and treats a negative ignore_index as "ignore nothing". Its z-loss is
@@ -32,8 +35,10 @@ only correct when nothing reads the logits after the loss, e.g. logits that come
 (the matmul's backward needs its inputs, not its output). An autograd node that saved the logits (a softcap's
 tanh) then fails loudly; plain Python reads of the logits see the gradient.
 
-Called eagerly, a target outside ``[0, V)`` that is not ``ignore_index`` is a ``ValueError`` that names the
-allowed range (:func:`check_targets`, one host read of a flag), before any kernel runs. Inside a compiled graph or
+Called eagerly, a target outside ``[0, V)`` that is not ``ignore_index`` is a ``ValueError``
+(:class:`~torchport.kernels.registry.InputError`) that names the allowed range, before any loss kernel runs: each
+implementation checks with one host read (:func:`check_targets`; the Triton one counts the bad targets and the mean's
+rows in one program, :func:`torchport.kernels.triton.loss_reduce.target_counts`). Inside a compiled graph or
 a captured CUDA graph, where nothing may read the device on the host, every implementation checks the targets
 itself: such a row gets no gradient and a NaN loss (the reduced loss too), never a finite number, and nothing
 outside the logits is read. The Triton path then runs four kernels for a forward and backward (the mean's row count,
@@ -46,6 +51,7 @@ Example:
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from ..backends.npu import operator_limits
@@ -99,9 +105,12 @@ def per_row_losses(x: torch.Tensor, target: torch.Tensor, ignore_index: int, lab
 def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                             label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
                             in_place: bool = False, n_valid: int | None = None,
-                            loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+                            loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
     """Plain PyTorch on ``[N, V]`` logits and ``[N]`` targets, in float32 (float64 for float64 logits); the loss is
-    returned in ``loss_dtype``, by default the logits' dtype, as ``F.cross_entropy`` does."""
+    returned in ``loss_dtype``, by default the logits' dtype, as ``F.cross_entropy`` does. ``check``: read the
+    targets on the host first (:func:`check_targets`), as every implementation does when asked."""
+    if check:
+        check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
     rows, _, valid, _ = _per_row(widen(logits), target, ignore_index, label_smoothing, z_loss)
     return _reduce(rows, valid, reduction, loss_dtype or logits.dtype)
 
@@ -110,11 +119,34 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_i
 def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                           label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
                           in_place: bool = False, n_valid: int | None = None,
-                          loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+                          loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
     from .triton import cross_entropy as kernel
 
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16 logits, not {logits.dtype}")
+    if check:  # one program counts the bad targets and the mean's rows; one host read
+        from .triton.loss_reduce import target_counts
+
+        bad, n_valid = target_counts(target, ignore_index, logits.shape[-1])
+        if bad:
+            raise bad_target_error("cross_entropy", logits.shape[-1], ignore_index)
+        # Host-bound and checked: torch's log_softmax and nll_loss (two C++ autograd nodes, four kernels in all)
+        if not (z_loss or in_place) and registry.host_bound("cross_entropy", logits):
+            return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, n_valid, loss_dtype)
     return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid,
                                 loss_dtype)
+
+
+def _torch_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
+                         reduction: str, n_valid: int, loss_dtype: torch.dtype | None) -> torch.Tensor:
+    """``F.cross_entropy`` on targets already checked, with torchport's two differences: a mean over no class
+    target is 0 (PyTorch: NaN), and a ``loss_dtype`` wider than the logits computes in it (unrounded)."""
+    dtype = loss_dtype or logits.dtype
+    x = logits.to(torch.promote_types(logits.dtype, dtype))
+    if reduction == "mean" and n_valid == 0:
+        reduction = "sum"  # every row ignored: 0, and gradients 0
+    return F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
+                           reduction=reduction).to(dtype)
 
 
 _NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
@@ -125,7 +157,9 @@ _NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
 def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index: int = -100,
                        label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
                        in_place: bool = False, n_valid: int | None = None,
-                       loss_dtype: torch.dtype | None = None) -> torch.Tensor:
+                       loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
+    if check:
+        check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
     if z_loss:
         raise registry.Unsupported("torch_npu.npu_cross_entropy_loss does not support z-loss yet")
     if not 0 < logits.shape[0] <= _NPU_MAX_ROWS:
@@ -157,8 +191,9 @@ def check_targets(op: str, target: torch.Tensor, vocab: int,
     """Check that every target is in ``[0, vocab)`` or is ``ignore_index``; return the targets to use and the mask of
     bad ones the caller must mark in the loss (None when there is nothing to mark).
 
-    Called eagerly, a bad target is a ``ValueError`` here that names the bad range and the allowed one (one host read
-    of a flag: the kernels never see a bad target, and a device's state is never broken by a device-side assert).
+    Called eagerly, a bad target is a ``ValueError`` (:class:`~torchport.kernels.registry.InputError`) here that
+    names the bad range and the allowed one (one host read of a flag: the kernels never see a bad target, and a
+    device's state is never broken by a device-side assert).
     Where no host read is possible (while torch.compile traces, or while a graph is captured on the device's stream)
     the check stays on the device: rows with a bad target are treated as ignored, so that no kernel reads past the
     vocabulary, and :func:`mark_bad_targets` makes their loss NaN (every reduced loss NaN), so that a bad target is
@@ -167,11 +202,16 @@ def check_targets(op: str, target: torch.Tensor, vocab: int,
     bad = (target != ignore_index) & ((target < 0) | (target >= vocab))
     if not capturing(target.device):
         if bool(bad.any()):
-            raise ValueError(f"{op}: a target is below 0 or at least the vocabulary size {vocab}, and is not "
-                             f"ignore_index={ignore_index}; targets must be class indices in [0, {vocab}) or "
-                             "ignore_index")
+            raise bad_target_error(op, vocab, ignore_index)
         return target, None
     return torch.where(bad, torch.full_like(target, ignore_index), target), bad
+
+
+def bad_target_error(op: str, vocab: int, ignore_index: int) -> registry.InputError:
+    """The error for a target outside ``[0, vocab)`` that is not ``ignore_index`` (a ``ValueError``)."""
+    return registry.InputError(f"{op}: a target is below 0 or at least the vocabulary size {vocab}, and is not "
+                               f"ignore_index={ignore_index}; targets must be class indices in [0, {vocab}) or "
+                               "ignore_index")
 
 
 def mark_bad_targets(loss: torch.Tensor, bad: torch.Tensor | None, reduction: str) -> torch.Tensor:
@@ -243,25 +283,27 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
     rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
-    if not capturing(flat.device):
-        check_targets(op, flat, vocab, ignore_index)  # a bad target is a ValueError here (one host read)
-    # where no host read is possible, every implementation gives a row with a bad target a NaN loss itself
+    # Eagerly the implementation reads the targets on the host first: a bad one is a ValueError. Where no host read
+    # is possible, every implementation gives a row with a bad target a NaN loss itself.
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
         loss = registry.custom_op(op)(rows, flat, int(ignore_index), float(label_smoothing), reduction, float(z_loss),
                                       False)
         loss = loss.to(loss_dtype or logits.dtype)
     else:
-        loss = _rows_or_total(rows, flat, ignore_index, label_smoothing, reduction, z_loss, in_place, loss_dtype)
+        loss = _rows_or_total(rows, flat, ignore_index, label_smoothing, reduction, z_loss, in_place, loss_dtype,
+                              check=not capturing(flat.device))
     return loss.view(target.shape) if reduction == "none" else loss
 
 
 def _rows_or_total(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                    reduction: str, z_loss: float, in_place: bool = False,
-                   loss_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The chosen implementation on ``[N, V]`` logits and ``[N]`` int64 targets, with no host read: a target outside
-    ``[0, V)`` that is not ``ignore_index`` makes its row's loss NaN (the callers check eagerly where they can)."""
+                   loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
+    """The chosen implementation on ``[N, V]`` logits and ``[N]`` int64 targets. ``check``: the implementation reads
+    the targets on the host first, and a bad one is a ValueError (callers pass it where a host read is possible);
+    without it nothing is read on the host, and a target outside ``[0, V)`` that is not ``ignore_index`` makes its
+    row's loss NaN."""
     return registry.call("cross_entropy", rows.device, rows, target, int(ignore_index), float(label_smoothing),
-                         reduction, float(z_loss), bool(in_place), None, loss_dtype)
+                         reduction, float(z_loss), bool(in_place), None, loss_dtype, bool(check))
 
 
 class CrossEntropyLoss(nn.Module):
@@ -312,10 +354,8 @@ def _op_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, l
     that torch.compile makes of :func:`cross_entropy` passes False, so that its steps read nothing on the host: a
     bad target's row is then NaN."""
     check_reduction("cross_entropy", reduction)
-    if check and not capturing(target.device):
-        check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
-    rows = _rows_or_total(logits, target.long(), ignore_index, label_smoothing, "none", z_loss).to(
-        loss_dtype_of(logits))
+    rows = _rows_or_total(logits, target.long(), ignore_index, label_smoothing, "none", z_loss,
+                          check=check and not capturing(target.device)).to(loss_dtype_of(logits))
     if reduction == "none":
         return rows
     total = rows.sum()

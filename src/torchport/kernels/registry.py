@@ -37,7 +37,7 @@ import torch.utils.checkpoint
 
 from .. import _settings
 from .._registry import Registry
-from ._implementation import (Implementation, KernelError, Unsupported, fused_op, fused_op_reason,
+from ._implementation import (Implementation, InputError, KernelError, Unsupported, fused_op, fused_op_reason,
                               fused_op_unavailable, triton_reason)
 from .checks import capturing
 from .spec import OpSpec
@@ -45,6 +45,7 @@ from .spec import OpSpec
 __all__ = [
     "HOST_BOUND_ELEMENTS",
     "Implementation",
+    "InputError",
     "KernelError",
     "Unsupported",
     "call",
@@ -314,16 +315,17 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
     """Run ``op`` with the implementation chosen for ``device``; in auto mode, fall back to the reference.
 
     Arguments must already be validated by the op's public function: an implementation's failure is then the
-    implementation's, never the caller's. Out-of-memory errors are raised, not retried with the reference (which
-    needs more memory), and so is an invalid setting that an implementation reads
-    (:class:`torchport._settings.SettingError`).
+    implementation's, never the caller's, except :class:`InputError`, bad data that only the device could check.
+    Out-of-memory errors are raised, not retried with the reference (which needs more memory), and so are an
+    invalid setting that an implementation reads (:class:`torchport._settings.SettingError`) and an
+    :class:`InputError`.
     """
     impl = select(op, device)
     if impl.name == "reference":
         return impl.fn(*args)
     try:
         return impl.fn(*args)
-    except (torch.OutOfMemoryError, _settings.SettingError, *_CONTROL_FLOW):
+    except (torch.OutOfMemoryError, _settings.SettingError, InputError, *_CONTROL_FLOW):
         raise
     except Exception as exc:
         _failed(op, impl, device, exc, "")
@@ -361,7 +363,7 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
         return None
     try:
         return impl.backward(grads, needs, *args)
-    except (torch.OutOfMemoryError, _settings.SettingError, *_CONTROL_FLOW):
+    except (torch.OutOfMemoryError, _settings.SettingError, InputError, *_CONTROL_FLOW):
         raise
     except Unsupported:
         return None
@@ -379,8 +381,9 @@ def host_bound(op: str, x: torch.Tensor) -> bool:
     elements on an accelerator (decode-sized rows: 16 x 8192), in auto mode (a forced implementation runs as
     forced), outside autocast, and not while the device's stream captures a graph (a replay costs the host nothing
     per kernel, so there only device time counts). An implementation with a cheaper launch for such calls takes it
-    there: the Triton norms hand them to torch's fused operator and the gated activations to torch's two
-    operators, whose C++ autograd nodes cost the host a fraction of the Triton path's Python forward and backward,
+    there: the Triton norms hand them to torch's fused operator, the gated activations to torch's two operators and
+    the checked eager cross-entropy to ``F.cross_entropy``, whose C++ autograd nodes cost the host a fraction of
+    the Triton path's Python forward and backward,
     for a few microseconds of device time either way (``benchmarks/RESULTS.md``, issue 23 item 2).
 
     Example:

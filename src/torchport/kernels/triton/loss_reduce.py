@@ -3,7 +3,8 @@ hold them: the mean's scale counted from the targets (:func:`mean_scale`) and th
 (:func:`reduce_rows`), each in one program, and the gradient's rows scaled in place by the upstream gradient
 (:func:`scale_rows`, which leaves rows whose factor is exactly 1 untouched). Used by the cross-entropy
 (:mod:`.cross_entropy`); :func:`scale_rows` also by the fused linear cross-entropy
-(:mod:`torchport.kernels.linear_ce_passes`).
+(:mod:`torchport.kernels.linear_ce_passes`). Called eagerly, the cross-entropy checks its targets with
+:func:`target_counts`: one program and one host read for what took PyTorch five comparisons, a reduction and a read.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import triton.language as tl
 from . import multiprocessor_count, next_power_of_2
 from .launch import Kernel
 
-__all__ = ["mean_scale", "reduce_rows", "scale_rows"]
+__all__ = ["mean_scale", "reduce_rows", "scale_rows", "target_counts"]
 
 _REDUCE_BLOCK = 8192  # at most this many targets or row losses per step of the one-program count and sum
 _SCALE_BLOCK = 8192  # columns per step of the scaling kernel: 16 KiB of bf16, 32 KiB of float32 in registers
@@ -55,7 +56,35 @@ def _total_kernel(ROWS, N, SCALE, factor, OUT, SCALED: tl.constexpr, BLOCK: tl.c
     tl.store(OUT, total.to(OUT.dtype.element_ty))
 
 
-_COUNT, _TOTAL = Kernel(_count_kernel), Kernel(_total_kernel)
+@triton.jit
+def _targets_kernel(T, N, V, ignore_index, OUT, BLOCK: tl.constexpr):
+    """OUT[0] = the targets that are neither ignore_index nor a class in [0, V); OUT[1] = those that are classes."""
+    offs = tl.arange(0, BLOCK)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    classes = tl.zeros([BLOCK], dtype=tl.int32)
+    for start in range(0, N, BLOCK):
+        index = start + offs
+        target = tl.load(T + index, mask=index < N, other=ignore_index)
+        kept = target != ignore_index
+        is_class = (target >= 0) & (target < V)
+        bad += (kept & ~is_class).to(tl.int32)
+        classes += (kept & is_class).to(tl.int32)
+    tl.store(OUT, tl.sum(bad, axis=0).to(tl.int64))
+    tl.store(OUT + 1, tl.sum(classes, axis=0).to(tl.int64))
+
+
+_COUNT, _TOTAL, _TARGETS = Kernel(_count_kernel), Kernel(_total_kernel), Kernel(_targets_kernel)
+
+
+def target_counts(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[int, int]:
+    """(targets that are neither ``ignore_index`` nor a class in ``[0, vocab)``, targets that are classes), counted
+    in one program and read on the host at once: the eager check of a cross-entropy's targets, whose second number
+    is a mean's divisor. Synchronises with the device (nothing may call it while a graph is captured)."""
+    counts = torch.empty(2, dtype=torch.int64, device=target.device)
+    block, warps = _reduce_launch(target.numel())
+    _TARGETS.launch((1,), target, target.numel(), vocab, int(ignore_index), counts, BLOCK=block, num_warps=warps)
+    bad, classes = counts.tolist()
+    return bad, classes
 
 
 def mean_scale(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tensor:
