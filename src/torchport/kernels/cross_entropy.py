@@ -142,11 +142,11 @@ def _torch_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_inde
     """``F.cross_entropy`` on targets already checked, with torchport's two differences: a mean over no class
     target is 0 (PyTorch: NaN), and a ``loss_dtype`` wider than the logits computes in it (unrounded)."""
     dtype = loss_dtype or logits.dtype
-    x = logits.to(torch.promote_types(logits.dtype, dtype))
+    x = logits if dtype == logits.dtype else logits.to(torch.promote_types(logits.dtype, dtype))
     if reduction == "mean" and n_valid == 0:
         reduction = "sum"  # every row ignored: 0, and gradients 0
-    return F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing,
-                           reduction=reduction).to(dtype)
+    loss = F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
+    return loss if loss.dtype == dtype else loss.to(dtype)
 
 
 _NPU_MAX_ROWS = 200_000  # torch_npu documents N in (0, 200000]
@@ -282,7 +282,8 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     vocab = logits.shape[-1]
     if vocab == 0:
         raise ValueError(f"{op}: logits have an empty class dimension (shape {list(logits.shape)})")
-    rows, flat = logits.reshape(-1, vocab), target.reshape(-1)
+    rows = logits if logits.dim() == 2 else logits.reshape(-1, vocab)  # (a reshape is a view and an autograd node)
+    flat = target if target.dim() == 1 else target.reshape(-1)
     # Eagerly the implementation reads the targets on the host first: a bad one is a ValueError. Where no host read
     # is possible, every implementation gives a row with a bad target a NaN loss itself.
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
