@@ -191,7 +191,7 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
     """
     if x.shape[-1] != _in_features(t, fmt):
         raise ValueError(f"lowbit_linear: x has {x.shape[-1]} features, the weight takes {_in_features(t, fmt)}")
-    rows = x.reshape(-1, x.shape[-1])
+    rows = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])
     if rows.shape[-1] > 1 and rows.stride(-1) != 1:
         rows = rows.contiguous()
     if torch.compiler.is_dynamo_compiling():  # a constant to dynamo: its graph calls the custom op
@@ -203,7 +203,7 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
 
             dequantize = get_format(fmt).dequantize
         y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
-    return y.reshape(*x.shape[:-1], y.shape[-1])
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
 
 
 # -- torch.ops.torchport.lowbit_matmul: the op a compiled graph calls --------------------------------------------------
