@@ -260,6 +260,18 @@ def test_each_implementation_checks_the_targets_when_asked(device, impl):
     check_close("loss", out, expected(x64.float().double(), t, 0.1, 0.0, "mean"), torch.float32)
 
 
+def test_strided_targets_are_checked_where_they_are(device, impl):
+    """Targets that are every other element of a tensor: the check reads those, not the elements between them."""
+    x64, _ = make(3, 10, ignored="none")
+    x = x64.float().to(device)
+    good = torch.tensor([1, 50, 2, IGNORE, 3, 60], device=device)[::2]  # [1, 2, 3]; 50 and 60 lie between
+    bad = torch.tensor([1, 0, 2, 0, 50, 0], device=device)[::2]  # [1, 2, 50]
+    out = call("cross_entropy", impl, x, good, IGNORE, 0.0, "none", 0.0, False, None, None, True)
+    check_close("rows", out, expected(x64.float().double(), good.cpu(), 0.0, 0.0, "none"), torch.float32)
+    with pytest.raises(ValueError, match="vocabulary size 10"):
+        call("cross_entropy", impl, x, bad, IGNORE, 0.0, "mean", 0.0, False, None, None, True)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-bound route runs on an accelerator")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_host_bound_call_on_cuda_against_float64(reduction):

@@ -127,6 +127,7 @@ def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_ind
     if check:  # one program counts the bad targets and the mean's rows; one host read
         from .triton.loss_reduce import target_counts
 
+        target = target.contiguous()  # the program reads the targets as one contiguous run
         bad, n_valid = target_counts(target, ignore_index, logits.shape[-1])
         if bad:
             raise bad_target_error("cross_entropy", logits.shape[-1], ignore_index)
