@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import dataclasses
 import importlib
 
 import pytest
@@ -232,32 +233,71 @@ def test_host_bound_checked_calls_take_torchs_operators(monkeypatch, case):
         monkeypatch.setenv("TORCHPORT_KERNELS", "cross_entropy=triton")
     fn = registry.implementation("cross_entropy", "triton").fn
     fn(x, t, IGNORE, 0.1, "mean", z, in_place, None, None, check)
-    want = [("torch", torch.bfloat16, "mean")] if path == "torch" else [("triton",)]
+    # 16-bit logits are taken in float32 (one rounding of the loss and the gradient, as the kernel's)
+    want = [("torch", torch.float32, "mean")] if path == "torch" else [("triton",)]
     assert ran == ([("check",)] if check else []) + want
     if path != "torch":
         return
-    # a wider loss dtype computes in it; a mean over no class target is a sum (0, gradients 0), not NaN
+    # a float64 loss dtype computes in float64; a mean over no class target is a sum (0, gradients 0), not NaN
     ran.clear()
-    fn(x, t, IGNORE, 0.0, "mean", 0.0, False, None, torch.float32, True)
-    assert ran == [("check",), ("torch", torch.float32, "mean")]
+    fn(x, t, IGNORE, 0.0, "mean", 0.0, False, None, torch.float64, True)
+    assert ran == [("check",), ("torch", torch.float64, "mean")]
     ran.clear()
     monkeypatch.setattr(loss_reduce, "target_counts", lambda t, ignore, vocab: (0, 0))
     fn(x, t, IGNORE, 0.0, "mean", 0.0, False, None, None, True)
-    assert ran == [("torch", torch.bfloat16, "sum")]
+    assert ran == [("torch", torch.float32, "sum")]
+
+
+def _checked(impl: str, x: torch.Tensor, t: torch.Tensor, smoothing: float, reduction: str) -> torch.Tensor:
+    """An eager, checked call of ``impl``: directly with check=True where the implementation checks itself (and the
+    reference, the fallback of those), else through the public function with ``impl`` forced."""
+    module = importlib.import_module("torchport.kernels.cross_entropy")
+    if impl in module._CHECKS_ITSELF or impl == "reference":
+        return call("cross_entropy", impl, x, t, IGNORE, smoothing, reduction, 0.0, False, None, None, True)
+    with forced(impl):
+        return torchport.kernels.cross_entropy(x, t, IGNORE, smoothing, reduction)
 
 
 def test_each_implementation_checks_the_targets_when_asked(device, impl):
-    """check=True (an eager call): every implementation reads the targets first and raises the clear error, which
-    the registry passes on as it is (no fallback, no warning); checked good targets give the same loss."""
+    """An eager call: the targets are read first (by the implementation itself, or before it) and a bad one is the
+    clear error, which the registry passes on as it is (no fallback, no warning); good targets give the loss."""
     x64, t = make(6, 300, ignored="some")
     x = x64.float().to(device)
     bad = t.clone()
     bad[1] = 300
     with pytest.raises(ValueError, match=r"vocabulary size 300, and is not ignore_index=-100; targets must be class "
                                          r"indices in \[0, 300\) or ignore_index"):
-        call("cross_entropy", impl, x, bad.to(device), IGNORE, 0.0, "mean", 0.0, False, None, None, True)
-    out = call("cross_entropy", impl, x, t.to(device), IGNORE, 0.1, "mean", 0.0, False, None, None, True)
-    check_close("loss", out, expected(x64.float().double(), t, 0.1, 0.0, "mean"), torch.float32)
+        _checked(impl, x, bad.to(device), 0.0, "mean")
+    smoothing = 0.0 if impl == "npu" else 0.1
+    out = _checked(impl, x, t.to(device), smoothing, "mean")
+    check_close("loss", out, expected(x64.float().double(), t, smoothing, 0.0, "mean"), torch.float32)
+
+
+def test_an_implementation_that_does_not_check_gets_checked_targets(monkeypatch):
+    """An implementation outside _CHECKS_ITSELF (another package's, say) never sees a bad target, and is called with
+    check=False: the targets were read before it."""
+    from torchport.kernels.cross_entropy import cross_entropy_reference
+
+    seen = []
+
+    def other(*args):
+        seen.append(args[-1])
+        return cross_entropy_reference(*args[:-1])
+
+    impls = registry._implementations("cross_entropy")
+    monkeypatch.setitem(impls, "other", dataclasses.replace(impls["reference"], name="other", fn=other,
+                                                            devices=frozenset({"cpu"}), priority=99))
+    registry.refresh()
+    try:
+        x = torch.randn(3, 10)
+        with pytest.raises(ValueError, match="vocabulary size 10"):
+            torchport.kernels.cross_entropy(x, torch.tensor([1, 10, 2]))
+        assert seen == []
+        loss = torchport.kernels.cross_entropy(x, torch.tensor([1, IGNORE, 2]))
+        assert seen == [False]
+        torch.testing.assert_close(loss, F.cross_entropy(x, torch.tensor([1, IGNORE, 2]), ignore_index=IGNORE))
+    finally:
+        registry.refresh()
 
 
 def test_strided_targets_are_checked_where_they_are(device, impl):
@@ -266,10 +306,10 @@ def test_strided_targets_are_checked_where_they_are(device, impl):
     x = x64.float().to(device)
     good = torch.tensor([1, 50, 2, IGNORE, 3, 60], device=device)[::2]  # [1, 2, 3]; 50 and 60 lie between
     bad = torch.tensor([1, 0, 2, 0, 50, 0], device=device)[::2]  # [1, 2, 50]
-    out = call("cross_entropy", impl, x, good, IGNORE, 0.0, "none", 0.0, False, None, None, True)
+    out = _checked(impl, x, good, 0.0, "none")
     check_close("rows", out, expected(x64.float().double(), good.cpu(), 0.0, 0.0, "none"), torch.float32)
     with pytest.raises(ValueError, match="vocabulary size 10"):
-        call("cross_entropy", impl, x, bad, IGNORE, 0.0, "mean", 0.0, False, None, None, True)
+        _checked(impl, x, bad, 0.0, "mean")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the host-bound route runs on an accelerator")

@@ -251,3 +251,19 @@ def test_dequantised_weight_cache_for_prefill(device):
     layer.cache_dequantized = False
     layer(x[:1])
     assert "dense" not in layer._cache
+
+
+@pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
+def test_a_fresh_layer_compiles_as_one_graph(fmt, monkeypatch):
+    """torch.compile(fullgraph=True) of a layer never called eagerly: its forward looks nothing up that dynamo cannot
+    trace (the format registry's lock), and its graph calls the custom op with the eager result."""
+    from torchport.quant import linear
+
+    monkeypatch.setattr(linear, "_DECODERS", {})  # no format's decoder looked up yet, as in a fresh process
+    torch._dynamo.reset()
+    layer = QuantizedLinear.from_linear(nn.Linear(256, 64), fmt)
+    x = torch.randn(2, 17, 256)
+    got = torch.compile(layer, backend="eager", fullgraph=True)(x)
+    torch.testing.assert_close(got, layer(x))
+    assert set(layer.tensors()) == set(layer.state_dict()) - {"bias"}
+    torch._dynamo.reset()

@@ -36,11 +36,11 @@ only correct when nothing reads the logits after the loss, e.g. logits that come
 tanh) then fails loudly; plain Python reads of the logits see the gradient.
 
 Called eagerly, a target outside ``[0, V)`` that is not ``ignore_index`` is a ``ValueError``
-(:class:`~torchport.kernels.registry.InputError`) that names the allowed range, before any loss kernel runs: each
-implementation checks with one host read (:func:`check_targets`; the Triton one counts the bad targets and the mean's
-rows in one program, :func:`torchport.kernels.triton.loss_reduce.target_counts`). Inside a compiled graph or
-a captured CUDA graph, where nothing may read the device on the host, every implementation checks the targets
-itself: such a row gets no gradient and a NaN loss (the reduced loss too), never a finite number, and nothing
+(:class:`~torchport.kernels.registry.InputError`) that names the allowed range, before any loss kernel runs, after
+one host read of the targets (:func:`check_targets`; the Triton implementation counts the bad targets and the
+mean's rows in one program instead, :func:`torchport.kernels.triton.loss_reduce.target_counts`). Inside a compiled
+graph or a captured CUDA graph, where nothing may read the device on the host, every implementation checks the
+targets itself: such a row gets no gradient and a NaN loss (the reduced loss too), never a finite number, and nothing
 outside the logits is read. The Triton path then runs four kernels for a forward and backward (the mean's row count,
 the loss and gradient, the sum, the backward's scale), with no separate check.
 
@@ -122,16 +122,17 @@ def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_ind
                           loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
     from .triton import cross_entropy as kernel
 
-    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16 logits, not {logits.dtype}")
-    if check:  # one program counts the bad targets and the mean's rows; one host read
+    if check:  # one program counts the bad targets and the mean's rows; one host read (before any refusal below)
         from .triton.loss_reduce import target_counts
 
         target = target.contiguous()  # the program reads the targets as one contiguous run
         bad, n_valid = target_counts(target, ignore_index, logits.shape[-1])
         if bad:
             raise bad_target_error("cross_entropy", logits.shape[-1], ignore_index)
-        # Host-bound and checked: torch's log_softmax and nll_loss (two C++ autograd nodes, four kernels in all)
+    if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16 logits, not {logits.dtype}")
+    if check:
+        # Host-bound and checked: torch's log_softmax and nll_loss (C++ autograd nodes, four kernels in all)
         if not (z_loss or in_place) and registry.host_bound("cross_entropy", logits):
             return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, n_valid, loss_dtype)
     return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid,
@@ -141,9 +142,12 @@ def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_ind
 def _torch_cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                          reduction: str, n_valid: int, loss_dtype: torch.dtype | None) -> torch.Tensor:
     """``F.cross_entropy`` on targets already checked, with torchport's two differences: a mean over no class
-    target is 0 (PyTorch: NaN), and a ``loss_dtype`` wider than the logits computes in it (unrounded)."""
+    target is 0 (PyTorch: NaN), and a ``loss_dtype`` wider than the logits computes in it (unrounded). 16-bit logits
+    are taken in float32, so that the loss and gradient are rounded once, as the Triton kernel rounds them (PyTorch's
+    16-bit log-softmax rounds every log-probability: twice the error with label smoothing)."""
     dtype = loss_dtype or logits.dtype
-    x = logits if dtype == logits.dtype else logits.to(torch.promote_types(logits.dtype, dtype))
+    work = torch.promote_types(torch.promote_types(logits.dtype, dtype), torch.float32)
+    x = logits if logits.dtype == work else logits.to(work)
     if reduction == "mean" and n_valid == 0:
         reduction = "sum"  # every row ignored: 0, and gradients 0
     loss = F.cross_entropy(x, target, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction=reduction)
@@ -159,8 +163,8 @@ def _cross_entropy_npu(logits: torch.Tensor, target: torch.Tensor, ignore_index:
                        label_smoothing: float = 0.0, reduction: str = "mean", z_loss: float = 0.0,
                        in_place: bool = False, n_valid: int | None = None,
                        loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
-    if check:
-        check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
+    # check: never True here; _rows_or_total checks the targets before calling an implementation outside
+    # _CHECKS_ITSELF
     if z_loss:
         raise registry.Unsupported("torch_npu.npu_cross_entropy_loss does not support z-loss yet")
     if not 0 < logits.shape[0] <= _NPU_MAX_ROWS:
@@ -297,13 +301,22 @@ def cross_entropy(logits: torch.Tensor, target: torch.Tensor, ignore_index: int 
     return loss.view(target.shape) if reduction == "none" else loss
 
 
+#: This op's implementations that read the targets themselves when passed ``check=True`` (in one launch with what
+#: they count anyway); every other one, registered here or elsewhere, gets targets checked by :func:`check_targets`
+#: first and ``check=False``. The reference checks too, for a fallback after an implementation that was to check.
+_CHECKS_ITSELF = frozenset({"triton"})
+
+
 def _rows_or_total(rows: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                    reduction: str, z_loss: float, in_place: bool = False,
                    loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
-    """The chosen implementation on ``[N, V]`` logits and ``[N]`` int64 targets. ``check``: the implementation reads
-    the targets on the host first, and a bad one is a ValueError (callers pass it where a host read is possible);
-    without it nothing is read on the host, and a target outside ``[0, V)`` that is not ``ignore_index`` makes its
-    row's loss NaN."""
+    """The chosen implementation on ``[N, V]`` logits and ``[N]`` int64 targets. ``check``: the targets are read on
+    the host first (by :func:`check_targets`, or by an implementation of ``_CHECKS_ITSELF``), and a bad one is a
+    ValueError (callers pass it where a host read is possible); without it nothing is read on the host, and a target
+    outside ``[0, V)`` that is not ``ignore_index`` makes its row's loss NaN."""
+    if check and registry.select("cross_entropy", rows.device).name not in _CHECKS_ITSELF:
+        check_targets("cross_entropy", target, rows.shape[-1], ignore_index)
+        check = False
     return registry.call("cross_entropy", rows.device, rows, target, int(ignore_index), float(label_smoothing),
                          reduction, float(z_loss), bool(in_place), None, loss_dtype, bool(check))
 

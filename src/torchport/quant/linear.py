@@ -85,9 +85,15 @@ class QuantizedLinear(nn.Module):
         """The format's tensors (``qweight``, ``scale``, and ``offset`` / ``global_scale`` by format)."""
         # Read from the buffers directly: nn.Module's attribute lookup, and hasattr's exception for an absent one,
         # cost the host microseconds per layer call (a prefill makes 225 of them on an 8B model)
-        buffers, plain = self._buffers, self.__dict__
-        return {name: buffers[name] if name in buffers else plain[name] for name in _TENSORS
-                if name in buffers or name in plain}
+        if torch.compiler.is_dynamo_compiling():  # dynamo follows nn.Module's attributes, not its dicts
+            return {name: getattr(self, name) for name in _TENSORS if hasattr(self, name)}
+        found = {}
+        for name in _TENSORS:
+            for place in (self._buffers, self._parameters, self.__dict__):
+                if name in place:
+                    found[name] = place[name]
+                    break
+        return found
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The dense ``(out_features, in_features)`` weight these codes stand for, in ``dtype`` (default: the
@@ -109,8 +115,10 @@ class QuantizedLinear(nn.Module):
             return F.linear(x, self._dense(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         if not self.cache_dequantized:
             self._cache.pop("dense", None)
-        decoder = _DECODERS.get(self.format)
-        if decoder is None:  # looked up once per format name, not per call
+        # The format's decoder, looked up once per format name, not per call; a graph that dynamo traces calls the
+        # custom op, which looks it up itself (the lookup takes a lock that dynamo cannot trace)
+        decoder = None if torch.compiler.is_dynamo_compiling() else _DECODERS.get(self.format)
+        if decoder is None and not torch.compiler.is_dynamo_compiling():
             decoder = _DECODERS[self.format] = get_format(self.format).dequantize
         return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias, dequantize=decoder,
                              cache=self._cache)
