@@ -108,7 +108,7 @@ def cross_entropy_reference(logits: torch.Tensor, target: torch.Tensor, ignore_i
                             loss_dtype: torch.dtype | None = None, check: bool = False) -> torch.Tensor:
     """Plain PyTorch on ``[N, V]`` logits and ``[N]`` targets, in float32 (float64 for float64 logits); the loss is
     returned in ``loss_dtype``, by default the logits' dtype, as ``F.cross_entropy`` does. ``check``: read the
-    targets on the host first (:func:`check_targets`), as every implementation does when asked."""
+    targets on the host first (:func:`check_targets`), as the fallback of an implementation that checks itself."""
     if check:
         check_targets("cross_entropy", target, logits.shape[-1], ignore_index)
     rows, _, valid, _ = _per_row(widen(logits), target, ignore_index, label_smoothing, z_loss)
