@@ -156,6 +156,37 @@ def test_launch_hooks_and_unbindable_kernels_keep_tritons_path(fake_triton, monk
     assert [c[0] for c in fake_triton] == ["triton", "triton", "triton", "direct"]
 
 
+def test_a_prepared_launch_calls_the_launcher_with_the_new_arguments(fake_triton, monkeypatch):
+    kernel = launch.Kernel(JITFunction(_kernel))
+    x, y = torch.zeros(32), torch.zeros(32)
+    meta = {"BLOCK": 16, "FLAG": True, "num_warps": 4}
+    assert kernel.prepare((3,), x, y, 32, 0.5, **meta) is None  # nothing compiled for it yet
+    kernel.launch((3,), x, y, 32, 0.5, **meta)
+    assert kernel.prepare((3,), x, y, 48, 0.5, **meta) is None  # another specialisation
+    prepared = kernel.prepare((3, 2), x, y, 32, 0.5, **meta)
+    fake_triton.clear()
+    x2, y2 = torch.zeros(64), torch.zeros(64)
+    assert prepared.launch((x2, y2, 32, 0.5))
+    assert fake_triton == [("direct", (3, 2, 1, 1234, "cu-function", ("packed",), None, None, None,
+                                       x2, y2, 32, 0.5, 16, True))]
+    fake_triton.clear()
+
+    def hook(metadata):
+        return None
+
+    knobs.runtime.launch_enter_hook.add(hook)  # a profiler installed since: the caller must launch through Triton
+    try:
+        assert not prepared.launch((x2, y2, 32, 0.5))
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    monkeypatch.setattr(_Driver, "get_current_device", lambda self: 1)  # another current device
+    assert not prepared.launch((x2, y2, 32, 0.5))
+    assert fake_triton == []
+    interleaved = launch.Kernel(JITFunction(_interleaved))
+    interleaved.launch((1,), x, 8, BLOCK=8)
+    assert interleaved.prepare((1,), x, 8, BLOCK=8) is None  # a kernel that keeps Triton's path
+
+
 # -- the real kernels on CUDA --------------------------------------------------------------------------------------
 def _cuda() -> torch.device:
     if not get_backend("cuda").is_available():

@@ -257,6 +257,96 @@ def test_triton_dense_route_in_slices_matches_the_whole_weight(with_bias, device
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_a_call_with_a_cache_is_planned_and_answers_as_the_registry(rows, device):
+    """Inference through a cache (a QuantizedLinear's): the chosen implementation's decision is kept per row count,
+    dtype and device, and every later call gives what the registry's path gives, on every format."""
+    from torchport.kernels import registry
+
+    for fmt in FORMATS:
+        spec, group, t, x, bias, dense = _case(fmt, rows, 40, 256, device, torch.float32)
+        x, b = x.to(device, torch.float32), bias.to(device, torch.float32)
+        want = lowbit_linear(x, t, fmt, group, b, dequantize=spec.dequantize)  # no cache: the registry's path
+        cache: dict = {}
+        with torch.no_grad():
+            got = [lowbit_linear(x, t, fmt, group, b, dequantize=spec.dequantize, cache=cache) for _ in range(3)]
+        for y in got:  # split-K sums in float32 atomics: equal up to their order
+            torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
+        check_close(fmt, got[-1], x @ dense.to(x.device, torch.float32).T + b, torch.float32)
+        if registry.select("lowbit_matmul", x.device).name in ("reference", "triton"):
+            assert list(cache["plans"]) == [(rows, torch.float32, x.device)], fmt
+        else:  # the vendor's operator keeps the registry's path
+            assert "plans" not in cache, fmt
+
+
+def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, monkeypatch):
+    """A plan is made again for new tensor objects or another implementation object; a call that needs a gradient
+    takes the registry's path; a plan that raises is dropped and the call still answers through the registry."""
+    import dataclasses
+
+    from torchport.kernels import lowbit_matmul, registry
+
+    spec, group, t, x, bias, dense = _case("int4", 20, 24, 128, device, torch.float32)
+    x, want = x.to(device, torch.float32), x.float() @ dense.float().T
+    key = (20, torch.float32, x.device)
+    with forced("lowbit_matmul=reference"), torch.no_grad():
+        cache: dict = {}
+        lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=cache)
+        first = cache["plans"][key]
+        assert first[1][0] is t["qweight"]
+        copy = {name: v.clone() for name, v in t.items()}
+        y = lowbit_linear(x, copy, "int4", group, None, dequantize=spec.dequantize, cache=cache)
+        assert cache["plans"][key][1][0] is copy["qweight"]
+        torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+        chosen = registry.select("lowbit_matmul", x.device)
+        other = dataclasses.replace(chosen)
+        monkeypatch.setattr(registry, "select", lambda *args, **kwargs: other)
+        lowbit_linear(x, copy, "int4", group, None, dequantize=spec.dequantize, cache=cache)
+        assert cache["plans"][key][0] is other
+        monkeypatch.undo()
+
+        def broken(*args):
+            def run(x, t, bias):
+                raise RuntimeError("a launch that fails")
+            return run
+
+        monkeypatch.setitem(lowbit_matmul._PLANNERS, "reference", broken)
+        failing: dict = {}
+        y = lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=failing)
+        torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+        assert failing["plans"] == {}
+    with forced("lowbit_matmul=reference"):
+        trained: dict = {}
+        xg = x.clone().requires_grad_()
+        y = lowbit_linear(xg, t, "int4", group, None, dequantize=spec.dequantize, cache=trained)
+        assert "plans" not in trained and y.grad_fn is not None
+        y.sum().backward()
+        torch.testing.assert_close(xg.grad.cpu(), dense.float().sum(0).expand(20, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_triton_plan_launches_what_matmul_launches(rows, device):
+    """``lowbit.plan`` once the tuner has chosen: the same kernels as ``matmul``, twice (the second launch of the
+    dense route's dequantise goes through its prepared launcher on a GPU), after the codes change in place too."""
+    _need_triton(device)
+    from torchport.kernels.triton import lowbit
+
+    for fmt in FORMATS:
+        spec, group, t, x, bias, dense = _case(fmt, rows, 40, 256, device, torch.float32)
+        x, b = x.to(device, torch.float32), bias.to(device, torch.float32)
+        want = lowbit.matmul(x, t, fmt, group, b)
+        run = lowbit.plan(x, t, fmt, group)
+        assert run is not None, fmt
+        for _ in range(2):
+            torch.testing.assert_close(run(x, t, b), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
+        with torch.no_grad():
+            t["qweight"].copy_(t["qweight"].flip(0))
+        flipped = lowbit.matmul(x, t, fmt, group, b)
+        assert not torch.allclose(flipped, want)
+        torch.testing.assert_close(run(x, t, b), flipped, rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{fmt}, codes changed in place: {m}")
+
+
 def test_triton_declines_groups_its_tiles_cannot_take(device):
     from torchport.kernels import registry
 

@@ -253,6 +253,28 @@ def test_dequantised_weight_cache_for_prefill(device):
     assert "dense" not in layer._cache
 
 
+def test_inference_calls_keep_a_plan_until_the_layer_moves(device):
+    """Calls without gradients keep the chosen implementation's decision in the layer (where the registry's choice
+    can plan it); in-place updates of the codes are seen, and a dtype change or move drops the plans."""
+    from torchport.kernels import registry
+
+    torch.manual_seed(0)
+    layer = QuantizedLinear.from_linear(nn.Linear(64, 24).to(device), "int4", 32)
+    x = torch.randn(20, 64, device=device)
+    planned = registry.select("lowbit_matmul", x.device).name in ("reference", "triton")
+    with torch.no_grad():
+        for _ in range(3):
+            torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias)
+        assert ("plans" in layer._cache) == planned
+        layer.qweight.copy_(torch.flip(layer.qweight, (0,)))
+        torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias)
+        layer.half()
+        assert "plans" not in layer._cache
+        xh = x.half()
+        assert _rel(layer(xh), x.double().cpu() @ layer.dequantized_weight(torch.float64).cpu().T
+                    + layer.bias.double().cpu()) < 2e-3
+
+
 @pytest.mark.parametrize("fmt", ["int4", "nvfp4"])
 def test_a_fresh_layer_compiles_as_one_graph(fmt, monkeypatch):
     """torch.compile(fullgraph=True) of a layer never called eagerly: its forward looks nothing up that dynamo cannot

@@ -62,6 +62,20 @@ def test_in_place_ops_keep_the_tensor(sim: torch.device) -> None:
     assert x.tolist() == [1.0, 5.0, 5.0]
 
 
+def test_assigning_data_swaps_the_host_data_too(sim: torch.device) -> None:
+    """``param.data = other`` (nn.Module's .half() and .to(dtype) after a move to the device) gives the tensor the
+    other's dtype and values, as on a real device."""
+    layer = torch.nn.Linear(8, 4).to(sim)
+    bias = layer.bias
+    layer.half()
+    assert layer.bias is bias and bias.dtype == torch.float16 and bias._raw.dtype == torch.float16
+    x = torch.randn(5, 8, device=sim).half()
+    torch.testing.assert_close(layer(x).cpu(), torch.nn.functional.linear(x.cpu(), layer.weight.cpu(), bias.cpu()))
+    t = torch.zeros(3, device=sim)
+    t.data = torch.arange(3.0, device=sim)
+    assert t.tolist() == [0.0, 1.0, 2.0]
+
+
 def test_memory_counters_follow_live_storages(sim: torch.device) -> None:
     gc.collect()
     torch.npu.empty_cache()

@@ -19,6 +19,7 @@ of a quantised model (QLoRA-style) work; the codes themselves get no gradient.
 
 from __future__ import annotations
 
+import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -73,9 +74,10 @@ def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group
     weight storage, version and activation dtype and kept in the layer's cache (an in-place update of the codes or
     scales, such as ``load_state_dict``, bumps a version and so makes it again)."""
     q, scale = t["qweight"], t["scale"]
-    key = ("npu", q.data_ptr(), x.dtype, *(tensor_version(v) for v in t.values()))
-    if cache.get("key") == key:
-        return cache["value"]
+    key = (q.data_ptr(), x.dtype, *(tensor_version(v) for v in t.values()))
+    kept = cache.get("npu")
+    if kept is not None and kept[0] == key:
+        return kept[1]
     if fmt == "int8":
         value = (q.t(), scale[:, 0].to(x.dtype), None, 0)
     else:
@@ -83,8 +85,7 @@ def _npu_tensors(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group
         pack = registry.fused_op("npu_convert_weight_to_int4pack", x.device)
         weight = pack(codes.t().contiguous())  # (K, N / 8): eight codes per int32, in torch_npu's own order
         value = (weight, scale.t().to(x.dtype), t["offset"].t().to(x.dtype), group)
-    cache.clear()
-    cache.update(key=key, value=value)
+    cache["npu"] = (key, value)  # the cache may hold other entries (the layer's plans): replace only this one
     return value
 
 
@@ -202,8 +203,73 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
             from ..quant.formats import get_format  # the decoder belongs to the quantisation layer
 
             dequantize = get_format(fmt).dequantize
-        y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
+        y = None
+        if cache is not None and not (torch.is_grad_enabled()
+                                      and (rows.requires_grad or (bias is not None and bias.requires_grad))):
+            y = _planned(rows, t, fmt, group, bias, dequantize, cache)
+        if y is None:
+            y = _autograd.apply(_LowbitLinear, rows, bias, t, fmt, group, dequantize, {} if cache is None else cache)
     return y if x.dim() == 2 else y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+# -- planned calls: inference through a caller's cache, decided once per input signature ------------------------------
+# A quantised model's prefill is host-bound where each of its ~225 layer calls goes through the registry, the
+# implementation's checks, the tuner's lookup and the route's dispatch (RESULTS.md, issue 24: 84-124 us of host time
+# per call at 2048 rows against 35-43 us for the two launches). A call that needs no gradient and brings a cache (a
+# QuantizedLinear's) keeps, per row count, dtype and device, what the chosen implementation decided: the next such
+# call launches it directly. A plan is used while the registry chooses the same implementation, for the same tensor
+# objects and decoder; it keeps the launch configuration chosen when it was made.
+_PLANS = 8  # plans kept per cache (distinct row counts, dtypes, devices) before they start over
+
+
+def _triton_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
+                 dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
+    if _triton_refuses(x, t, fmt, group) is not None:
+        return None
+    from .triton import lowbit
+
+    return lowbit.plan(x, dict(t), fmt, group)
+
+
+def _reference_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
+                    dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
+    return lambda x, t, bias: F.linear(x, dequantize(t, x.dtype), bias)
+
+
+_PLANNERS = {"triton": _triton_plan, "reference": _reference_plan}
+
+
+def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
+             dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor | None:
+    """``x @ W.T + bias`` through the plan kept in ``cache`` for ``x``'s signature, made now if the implementation
+    can plan it; None where the call must take the registry's path (no plan: an implementation without a planner,
+    a shape not tuned yet; or a plan that raised, which is dropped so that the registry's path handles the failure
+    as it handles any implementation's)."""
+    impl = registry.select("lowbit_matmul", x.device)
+    planner = _PLANNERS.get(impl.name)
+    if planner is None:
+        return None
+    plans = cache.get("plans")
+    if plans is None:
+        plans = cache["plans"] = {}
+    key = (x.shape[0], x.dtype, x.device)
+    tensors = tuple(t.values())
+    kept = plans.get(key)
+    if kept is None or kept[0] is not impl or kept[2] is not dequantize or len(kept[1]) != len(tensors) \
+            or not all(map(operator.is_, kept[1], tensors)):
+        run = planner(x, t, fmt, group, dequantize)
+        if run is None:
+            return None
+        if len(plans) >= _PLANS:
+            plans.clear()
+        kept = plans[key] = (impl, tensors, dequantize, run)
+    try:
+        return kept[3](x, t, bias)
+    except torch.OutOfMemoryError:
+        raise
+    except Exception:
+        plans.pop(key, None)
+        return None
 
 
 # -- torch.ops.torchport.lowbit_matmul: the op a compiled graph calls --------------------------------------------------

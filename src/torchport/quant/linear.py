@@ -165,6 +165,13 @@ class QuantizedLinear(nn.Module):
             self._group._reset()
         return self
 
+    def __getstate__(self) -> dict[str, Any]:
+        # copies and pickles carry the codes, not what was derived from them: a dense copy, torch_npu's repacked
+        # weight, the launch plans (bound to this layer's tensors and to compiled kernels, which do not pickle)
+        state = super().__getstate__()
+        state["_cache"] = {}
+        return state
+
     def extra_repr(self) -> str:
         merged = "" if self._group is None else f", merged={len(self._group.members)}"  # one weight with siblings
         return (f"in_features={self.in_features}, out_features={self.out_features}, format={self.format}, "

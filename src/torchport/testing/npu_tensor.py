@@ -29,11 +29,27 @@ _MIXING_ALLOWED = {
 }
 
 
+_DATA = torch.Tensor.data  # the descriptor whose setter __torch_function__ watches
+
+
 class SimulatedTensor(torch.Tensor):
     """A tensor on the simulated ``npu`` device; its data is the CPU tensor ``_raw``."""
 
     _raw: torch.Tensor
-    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):  # noqa: ANN001
+        # ``t.data = other`` (what nn.Module._apply does for .half(), .to(dtype)) swaps the wrapper's metadata in
+        # C++; the host data this wrapper stands for must follow, or it keeps the old dtype and values
+        if getattr(func, "__self__", None) is _DATA and getattr(func, "__name__", None) == "__set__":
+            target, value = args
+            with torch._C.DisableTorchFunctionSubclass():
+                func(target, value)
+            if isinstance(value, SimulatedTensor):
+                target._raw = value._raw
+            return None
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
 
     @staticmethod
     def __new__(cls, raw: torch.Tensor, index: int) -> SimulatedTensor:

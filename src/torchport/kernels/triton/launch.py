@@ -33,7 +33,7 @@ try:
 except ImportError:  # Triton before 3.4: its compiled kernels take other arguments; Kernel uses Triton's path
     knobs = None
 
-__all__ = ["Kernel", "specialisation"]
+__all__ = ["Kernel", "Prepared", "specialisation"]
 
 _MEMO_SIZE = 1024  # bound kernels kept per Kernel before the memo starts over
 _Tensor = torch.Tensor
@@ -98,6 +98,26 @@ class Kernel:
         run(grid[0], grid_y, grid_z, active.get_current_stream(device), function, packed, None, None, None,
             *args, *constexprs)
 
+    def prepare(self, grid: tuple[int, ...], *args: Any, **meta: Any) -> Prepared | None:
+        """The launch ``launch(grid, *args, **meta)`` would make, bound with its grid, its compiled kernel and its
+        constexprs, for a caller that will launch the same specialisation again with new arguments and wants to skip
+        even the key of :meth:`launch`. None where :meth:`launch` would take Triton's path, or before this
+        specialisation has been launched once (launch first, then prepare).
+
+        Example:
+            >>> DEQUANTIZE.launch(grid, *args, **meta)
+            >>> prepared = DEQUANTIZE.prepare(grid, *args, **meta)
+            >>> prepared.launch(new_args)   # False: launch it through DEQUANTIZE.launch instead
+        """
+        if not self._direct:
+            return None
+        device = driver.active.get_current_device()
+        try:
+            bound = self._bound.get((device, *meta.items(), *specialisation(args)))
+        except TypeError:
+            return None
+        return None if bound is None else Prepared(self, grid, device, bound)
+
     def _bind(self, key: tuple[Any, ...] | None, grid: tuple[int, ...], args: tuple[Any, ...],
               meta: dict[str, Any]) -> None:
         compiled = self.fn[grid](*args, **meta)  # compiles or finds the kernel, checks it, launches it
@@ -110,6 +130,37 @@ class Kernel:
             self._bound.clear()
         self._bound[key] = (runner, compiled.function, compiled.packed_metadata,
                             tuple(meta[name] for name in self._constexprs))
+
+
+class Prepared:
+    """One specialisation of a :class:`Kernel` with its grid fixed (:meth:`Kernel.prepare`): :meth:`launch` calls
+    the compiled launcher with new runtime arguments and computes nothing about them. The caller guarantees that
+    they specialise as the prepared ones did: same dtypes, same integer and flag values, tensors on the same
+    16-byte alignment (a fresh allocation of the caching allocator always is).
+    """
+
+    __slots__ = ("_bound", "_device", "_grid", "kernel")
+
+    def __init__(self, kernel: Kernel, grid: tuple[int, ...], device: int, bound: tuple[Any, ...]) -> None:
+        self.kernel = kernel
+        self._grid = (grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1)
+        self._device = device
+        self._bound = bound
+
+    def launch(self, args: tuple[Any, ...]) -> bool:
+        """Launch with ``args`` (the kernel's runtime arguments, in order) on the current stream; False, launching
+        nothing, where the prepared launcher may not be used now: another current device, or a launch hook
+        installed since (then launch through :meth:`Kernel.launch`)."""
+        runtime = knobs.runtime
+        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+            return False
+        active = driver.active
+        if active.get_current_device() != self._device:
+            return False
+        run, function, packed, constexprs = self._bound
+        x, y, z = self._grid
+        run(x, y, z, active.get_current_stream(self._device), function, packed, None, None, None, *args, *constexprs)
+        return True
 
 
 def _hooked(hook: Any) -> bool:

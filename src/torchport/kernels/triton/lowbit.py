@@ -33,6 +33,8 @@ a decode step reads every weight once, from DRAM); the candidates and buckets ar
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -45,9 +47,12 @@ from .lowbit_gemv import gemv_kernel
 from .lowbit_int4_mma import int4_mma_kernel
 from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, INT4_MMA, MMA, PER_CHANNEL, ROWS, TUNED,
                             TUNED_GEMV, TUNED_PREFILL, tiled_candidates, words_fit)
-from .launch import Kernel
+from .launch import Kernel, Prepared
 
-__all__ = ["DECODE_ROWS", "FORMAT_IDS", "dequantize", "matmul", "supports"]
+__all__ = ["DECODE_ROWS", "FORMAT_IDS", "Planned", "dequantize", "matmul", "plan", "supports"]
+
+Launch = Callable[..., torch.Tensor]  # (config, x, t, fmt, group, bias) -> y
+Planned = Callable[[torch.Tensor, dict[str, Any], torch.Tensor | None], torch.Tensor]  # (x, t, bias) -> y
 
 # The dense route's largest dequantised weight in one piece (bytes), and the slice granularity in output features
 _DENSE_CHUNK_BYTES = 128 * 2**20
@@ -286,6 +291,13 @@ def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
     return y
 
 
+def _route(fmt: str, m: int, n: int, k: int, group: int) -> tuple[autotune.Tunable, tuple[int, ...], Launch]:
+    """Where a call of ``m`` rows is tuned and which launcher takes its configuration."""
+    if m == 1:
+        return TUNED_GEMV[fmt], (n, k, group), _launch_gemv
+    return (TUNED if m <= DECODE_ROWS else TUNED_PREFILL)[fmt], (m, n, k, group), _launch
+
+
 def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> torch.Tensor:
     """``x @ dequantise(t).T + bias`` for 2-D ``x`` with a contiguous last dimension: one row on the CUDA cores;
     2-16 rows and more (prefill) as the autotuner chose for the shape.
@@ -294,32 +306,96 @@ def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch
     contiguous; ``group`` is the format's group size (``in_features`` for per-channel formats).
     """
     m, k = x.shape
-    n = t["qweight"].shape[0]
-    if m == 1:
-        tunable, sizes, launch = TUNED_GEMV[fmt], (n, k, group), _launch_gemv
-    elif m <= DECODE_ROWS:
-        tunable, sizes, launch = TUNED[fmt], (m, n, k, group), _launch
-    else:
-        tunable, sizes, launch = TUNED_PREFILL[fmt], (m, n, k, group), _launch
+    tunable, sizes, launch = _route(fmt, m, t["qweight"].shape[0], k, group)
     config = tunable.lookup(x.device, x.dtype, *sizes)
     if config is None:
         config = tunable.tune(x.device, x.dtype, sizes, lambda c: launch(c, x, t, fmt, group, bias))
     return launch(config, x, t, fmt, group, bias)
 
 
-def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The dense ``(out_features, in_features)`` weight in ``dtype``, in one pass over the codes."""
+def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int) -> Planned | None:
+    """:func:`matmul` for ``x``'s shape and dtype and these tensors, decided once: a callable ``(x, t, bias) -> y``
+    that launches what ``matmul`` would launch now, for inputs of the same shape, dtype and device and the same
+    tensor objects ``t`` (their values may change in place). None until the autotuner has chosen for the shape
+    (call :func:`matmul` first). The dense route's dequantise launch is bound to the weight's tensors.
+
+    Example:
+        >>> run = plan(x, t, "int4", 128)     # after matmul(x, t, "int4", 128, bias) has run once
+        >>> y = run(x, t, bias)               # == matmul(x, t, "int4", 128, bias)
+    """
+    m, k = x.shape
+    n = t["qweight"].shape[0]
+    tunable, sizes, launch = _route(fmt, m, n, k, group)
+    config = tunable.lookup(x.device, x.dtype, *sizes)
+    if config is None:
+        return None
+    if launch is _launch and config.get("KERNEL") == DENSE and n <= _DENSE_CHUNK_BYTES // max(1, k * x.element_size()):
+        return _DensePlan(_Dequantizer(t, fmt, group, x.dtype))
+    return functools.partial(_configured, launch, config, fmt, group)
+
+
+def _configured(launch: Launch, config: autotune.Config, fmt: str, group: int, x: torch.Tensor, t: dict[str, Any],
+                bias: torch.Tensor | None) -> torch.Tensor:
+    return launch(config, x, t, fmt, group, bias)
+
+
+class _DensePlan:
+    """The dense route of one weight, planned: its dequantise launch bound once, then the vendor matmul."""
+
+    __slots__ = ("_dequantize",)
+
+    def __init__(self, dequantizer: _Dequantizer) -> None:
+        self._dequantize = dequantizer
+
+    def __call__(self, x: torch.Tensor, t: dict[str, Any], bias: torch.Tensor | None) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self._dequantize(), bias)
+
+
+class _Dequantizer:
+    """The dequantise launch of one weight's tensors into ``dtype``: its arguments built once; once its kernel has
+    been launched, launched through :class:`.launch.Prepared` (a fresh output is the one argument that changes)."""
+
+    __slots__ = ("_args", "_device", "_dtype", "_grid", "_meta", "_prepared", "_shape")
+
+    def __init__(self, t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> None:
+        self._shape, self._device, self._grid, self._args, self._meta = _dequantize_launch(t, fmt, group)
+        self._dtype = dtype
+        self._prepared: Prepared | None = None
+
+    def __call__(self) -> torch.Tensor:
+        w = torch.empty(self._shape, dtype=self._dtype, device=self._device)
+        a = self._args
+        args = (a[0], a[1], a[2], a[3], w, *a[5:])
+        prepared = self._prepared
+        if prepared is not None and w.data_ptr() % 16 == 0 and prepared.launch(args):
+            return w
+        _DEQUANTIZE_KERNEL.launch(self._grid, *args, **self._meta)
+        if prepared is None:
+            self._prepared = _DEQUANTIZE_KERNEL.prepare(self._grid, *args, **self._meta)
+        return w
+
+
+def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[int, int], torch.device,
+                                                                         tuple[int, int], tuple[Any, ...],
+                                                                         dict[str, Any]]:
+    """(weight shape, device, grid, runtime arguments, constexprs) of the dequantise kernel; the output's place in
+    the arguments (index 4) is None, for a contiguous output (its row stride is in_features)."""
     q, scale = t["qweight"], t["scale"]
     n = q.shape[0]
     k = q.shape[1] * (1 if fmt in PER_CHANNEL else 2)
-    w = torch.empty((n, k), dtype=dtype, device=q.device)
     q, scale = _as_bytes(fmt, q, scale)
     block_n = 16
     block_k = 256 if fmt in PER_CHANNEL else max(group, 128)  # a whole number of groups per program
-    _DEQUANTIZE_KERNEL.launch(
-        (cdiv(n, block_n), cdiv(k, block_k)),
-        q, scale, t.get("offset", scale), t.get("global_scale", scale), w, n, k, q.stride(0), scale.stride(0),
-        w.stride(0), FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=4,
-    )
+    args = (q, scale, t.get("offset", scale), t.get("global_scale", scale), None, n, k, q.stride(0), scale.stride(0),
+            k)
+    meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=4)
+    return (n, k), q.device, (cdiv(n, block_n), cdiv(k, block_k)), args, meta
+
+
+def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``(out_features, in_features)`` weight in ``dtype``, in one pass over the codes."""
+    shape, device, grid, args, meta = _dequantize_launch(t, fmt, group)
+    w = torch.empty(shape, dtype=dtype, device=device)
+    _DEQUANTIZE_KERNEL.launch(grid, *args[:4], w, *args[5:], **meta)
     return w
