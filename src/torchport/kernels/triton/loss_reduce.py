@@ -30,18 +30,6 @@ def _reduce_launch(n: int) -> tuple[int, int]:
 
 
 @triton.jit
-def _count_kernel(T, N, V, ignore_index, SCALE, BLOCK: tl.constexpr):
-    """SCALE[0] = 1 / max(1, the rows whose target is a class in [0, V)): a mean's scale, in one program."""
-    offs = tl.arange(0, BLOCK)
-    count = tl.zeros([BLOCK], dtype=tl.int32)
-    for start in range(0, N, BLOCK):
-        index = start + offs
-        target = tl.load(T + index, mask=index < N, other=ignore_index)
-        count += ((target != ignore_index) & (target >= 0) & (target < V)).to(tl.int32)
-    tl.store(SCALE, 1.0 / tl.maximum(tl.sum(count, axis=0), 1).to(tl.float32))
-
-
-@triton.jit
 def _total_kernel(ROWS, N, SCALE, factor, OUT, SCALED: tl.constexpr, BLOCK: tl.constexpr):
     """OUT[0] = the sum of the N float32 ROWS times ``factor`` (and SCALE[0] where SCALED), summed in float32 in one
     program and rounded once to OUT's dtype."""
@@ -57,8 +45,10 @@ def _total_kernel(ROWS, N, SCALE, factor, OUT, SCALED: tl.constexpr, BLOCK: tl.c
 
 
 @triton.jit
-def _targets_kernel(T, N, V, ignore_index, OUT, BLOCK: tl.constexpr):
-    """OUT[0] = the targets that are neither ignore_index nor a class in [0, V); OUT[1] = those that are classes."""
+def _targets_kernel(T, N, V, ignore_index, OUT, COUNTS: tl.constexpr, BLOCK: tl.constexpr):
+    """In one program, over the N targets: where COUNTS, OUT[0] = those that are neither ignore_index nor a class in
+    [0, V) and OUT[1] = those that are classes (int64); otherwise OUT[0] = 1 / max(1, the classes), a mean's scale
+    (float32)."""
     offs = tl.arange(0, BLOCK)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     classes = tl.zeros([BLOCK], dtype=tl.int32)
@@ -67,13 +57,17 @@ def _targets_kernel(T, N, V, ignore_index, OUT, BLOCK: tl.constexpr):
         target = tl.load(T + index, mask=index < N, other=ignore_index)
         kept = target != ignore_index
         is_class = (target >= 0) & (target < V)
-        bad += (kept & ~is_class).to(tl.int32)
         classes += (kept & is_class).to(tl.int32)
-    tl.store(OUT, tl.sum(bad, axis=0).to(tl.int64))
-    tl.store(OUT + 1, tl.sum(classes, axis=0).to(tl.int64))
+        if COUNTS:
+            bad += (kept & ~is_class).to(tl.int32)
+    if COUNTS:
+        tl.store(OUT, tl.sum(bad, axis=0).to(tl.int64))
+        tl.store(OUT + 1, tl.sum(classes, axis=0).to(tl.int64))
+    else:
+        tl.store(OUT, 1.0 / tl.maximum(tl.sum(classes, axis=0), 1).to(tl.float32))
 
 
-_COUNT, _TOTAL, _TARGETS = Kernel(_count_kernel), Kernel(_total_kernel), Kernel(_targets_kernel)
+_TOTAL, _TARGETS = Kernel(_total_kernel), Kernel(_targets_kernel)
 
 
 def target_counts(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[int, int]:
@@ -82,7 +76,8 @@ def target_counts(target: torch.Tensor, ignore_index: int, vocab: int) -> tuple[
     is a mean's divisor. Synchronises with the device (nothing may call it while a graph is captured)."""
     counts = torch.empty(2, dtype=torch.int64, device=target.device)
     block, warps = _reduce_launch(target.numel())
-    _TARGETS.launch((1,), target, target.numel(), vocab, int(ignore_index), counts, BLOCK=block, num_warps=warps)
+    _TARGETS.launch((1,), target, target.numel(), vocab, int(ignore_index), counts, COUNTS=True, BLOCK=block,
+                    num_warps=warps)
     bad, classes = counts.tolist()
     return bad, classes
 
@@ -92,7 +87,8 @@ def mean_scale(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Ten
     counted there by one small kernel (no host read, so a CUDA graph can hold it)."""
     scale = torch.empty(1, dtype=torch.float32, device=target.device)
     block, warps = _reduce_launch(target.numel())
-    _COUNT.launch((1,), target, target.numel(), vocab, int(ignore_index), scale, BLOCK=block, num_warps=warps)
+    _TARGETS.launch((1,), target, target.numel(), vocab, int(ignore_index), scale, COUNTS=False, BLOCK=block,
+                    num_warps=warps)
     return scale
 
 
