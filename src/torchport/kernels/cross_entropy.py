@@ -131,10 +131,9 @@ def _cross_entropy_triton(logits: torch.Tensor, target: torch.Tensor, ignore_ind
             raise bad_target_error("cross_entropy", logits.shape[-1], ignore_index)
     if logits.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise registry.Unsupported(f"the Triton kernel takes float32, bfloat16 or float16 logits, not {logits.dtype}")
-    if check:
-        # Host-bound and checked: torch's log_softmax and nll_loss (C++ autograd nodes, four kernels in all)
-        if not (z_loss or in_place) and registry.host_bound("cross_entropy", logits):
-            return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, n_valid, loss_dtype)
+    # Host-bound and checked (so eager): torch's log_softmax and nll_loss (C++ autograd nodes, four kernels in all)
+    if check and not (z_loss or in_place) and registry.host_bound("cross_entropy", logits):
+        return _torch_cross_entropy(logits, target, ignore_index, label_smoothing, reduction, n_valid, loss_dtype)
     return kernel.cross_entropy(logits, target, ignore_index, label_smoothing, reduction, z_loss, in_place, n_valid,
                                 loss_dtype)
 
