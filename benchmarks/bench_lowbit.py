@@ -8,6 +8,8 @@ embedding stays bf16. For each contender:
   inside the graph, so replays need no host work): tokens/s over ``--decode-tokens`` replays; ``--decode-batch B
   ...`` also decodes B copies of the prompt together per size (tokens/s of all of them: the 2-16-row kernels, where
   q/k/v and gate/up run as separate layers);
+* **eager decode** (``--eager-decode``): batch 1 again, each step launched from Python without a graph, as a
+  generate loop that captures none runs it: the host's launch path per layer counts here;
 * **prefill**: one ``1 x --prefill-tokens`` forward, eager: tokens/s, median of 5; for torchport's formats twice:
   in the default mode (each layer dequantises its weight per call and drops it: weight memory unchanged), and with
   ``QuantizedLinear.cache_dequantized`` (the dense weight kept after the first call: its extra memory is reported);
@@ -84,9 +86,10 @@ def capture(fn, calls: int = 1) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor) -> float:
+def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torch.Tensor,
+                   graphs: bool = True) -> float:
     """Greedy decode tokens/s of the ``prompt.shape[0]`` sequences together (every row at the same position): one
-    CUDA graph per step where the device has graphs, eager otherwise."""
+    CUDA graph per step where the device has graphs (unless ``graphs`` is False), eager otherwise."""
     caches = new_caches(model, device, prompt.shape[0])
     start = prompt.shape[1]
     with torch.no_grad():
@@ -102,7 +105,7 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
         for _ in range(3):  # warm-up: kernels compile and autotune here, outside the graph
             step()
         steps = min(tokens, MAX_SEQ - start - 8)
-        if device.type == "cuda":
+        if device.type == "cuda" and graphs:
             graph = capture(step)
             position.fill_(start)
             for _ in range(3):
@@ -118,9 +121,11 @@ def measure_decode(model: Llama, device: torch.device, tokens: int, prompt: torc
             seconds = begin.elapsed_time(end) / 1e3
         else:
             position.fill_(start)
+            _sync(device)
             began = time.perf_counter()
             for _ in range(steps):
                 step()
+            _sync(device)
             seconds = time.perf_counter() - began
     return prompt.shape[0] * steps / seconds
 
@@ -332,6 +337,9 @@ def run(args: argparse.Namespace, save: Callable[[list[dict[str, Any]], bool], N
             for batch in args.decode_batch:
                 row[f"decode_b{batch}_tok_s"] = measure_decode(model, device, args.decode_tokens,
                                                                prompt[:, :64].expand(batch, -1))
+            if args.eager_decode:
+                row["decode_eager_tok_s"] = measure_decode(model, device, args.decode_tokens, prompt[:, :64],
+                                                           graphs=False)
             if name.startswith("torchport-"):
                 row.update(measure_cached_prefill(model, device, args.prefill_tokens))
         except Exception as exc:  # one contender failing must not lose the others' figures
@@ -369,6 +377,8 @@ def run(args: argparse.Namespace, save: Callable[[list[dict[str, Any]], bool], N
         for batch in args.decode_batch:
             row[f"decode_b{batch}_vs_bf16"] = row[f"decode_b{batch}_tok_s"] / bf16[f"decode_b{batch}_tok_s"]
         row["prefill_vs_bf16"] = row["prefill_tok_s"] / bf16["prefill_tok_s"]
+        if "decode_eager_tok_s" in row:
+            row["decode_eager_vs_bf16"] = row["decode_eager_tok_s"] / bf16["decode_eager_tok_s"]
         if "prefill_cached_tok_s" in row:
             row["prefill_cached_vs_bf16"] = row["prefill_cached_tok_s"] / bf16["prefill_tok_s"]
     return rows
@@ -404,6 +414,20 @@ def batch_table(rows: list[dict[str, Any]], batches: list[int]) -> str:
     return "\n".join(lines)
 
 
+def eager_table(rows: list[dict[str, Any]]) -> str:
+    """Batch-1 decode without CUDA graphs (``--eager-decode``) beside the graphed one: where the host's launch path
+    sets the pace, as in a generate loop that captures no graph."""
+    head = f"{'contender':<26}{'eager tok/s':>12}{'x bf16':>8}{'graphed tok/s':>14}{'eager / graphed':>16}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        if "decode_eager_tok_s" not in r:
+            continue
+        lines.append(f"{r['contender']:<26}{r['decode_eager_tok_s']:>12.1f}"
+                     f"{r.get('decode_eager_vs_bf16', math.nan):>8.2f}{r['decode_tok_s']:>14.1f}"
+                     f"{r['decode_eager_tok_s'] / r['decode_tok_s']:>16.2f}")
+    return "\n".join(lines)
+
+
 def profile_table(rows: list[dict[str, Any]]) -> str:
     """Wall-clock against summed kernel time (``--profile``): a prefill or step whose wall time is far above its GPU
     time waits on the host, not on its kernels."""
@@ -435,6 +459,8 @@ def main() -> None:
     parser.add_argument("--decode-tokens", type=int, default=128)
     parser.add_argument("--decode-batch", type=int, nargs="*", default=[],
                         help="also decode this many sequences together (2-16: the batched-decode kernels), per size")
+    parser.add_argument("--eager-decode", action="store_true",
+                        help="also decode batch 1 without CUDA graphs (each step launched from Python)")
     parser.add_argument("--prefill-tokens", type=int, default=2048)
     parser.add_argument("--plain-ops", action="store_true", help="RMSNorm, RoPE, SwiGLU in plain PyTorch")
     parser.add_argument("--profile", action="store_true",
@@ -450,6 +476,8 @@ def main() -> None:
     print(table(rows))
     if args.decode_batch:
         print(batch_table(rows, args.decode_batch))
+    if args.eager_decode:
+        print(eager_table(rows))
     if args.profile:
         print(profile_table(rows))
     if save is not None:
@@ -465,7 +493,8 @@ def write_json(path: str, args: argparse.Namespace, rows: list[dict[str, Any]], 
     device = torch.device(args.device) if args.device else torchport.device()
     meta = {"device": get_backend(device.type).device_name(device.index or 0), "torch": torch.__version__,
             "shape": "small" if args.small else "8b", "decode_tokens": args.decode_tokens,
-            "decode_batch": args.decode_batch, "prefill_tokens": args.prefill_tokens,
+            "decode_batch": args.decode_batch, "eager_decode": args.eager_decode,
+            "prefill_tokens": args.prefill_tokens,
             "ops": "plain" if args.plain_ops else "torchport kernels", "complete": complete}
     partial = f"{path}.partial"
     with open(partial, "w") as f:  # then renamed: a run killed while writing keeps the previous file whole

@@ -327,7 +327,8 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
 @pytest.mark.parametrize("rows", [1, 3, 20])
 def test_triton_plan_launches_what_matmul_launches(rows, device):
     """``lowbit.plan`` once the tuner has chosen: the same kernels as ``matmul``, twice (the second launch of the
-    dense route's dequantise goes through its prepared launcher on a GPU), after the codes change in place too."""
+    dense route's dequantise and of the one-row kernel goes through its prepared launcher on a GPU), with another
+    bias or row stride, and after the codes change in place."""
     _need_triton(device)
     from torchport.kernels.triton import lowbit
 
@@ -335,10 +336,17 @@ def test_triton_plan_launches_what_matmul_launches(rows, device):
         spec, group, t, x, bias, dense = _case(fmt, rows, 40, 256, device, torch.float32)
         x, b = x.to(device, torch.float32), bias.to(device, torch.float32)
         want = lowbit.matmul(x, t, fmt, group, b)
-        run = lowbit.plan(x, t, fmt, group)
+        run = lowbit.plan(x, t, fmt, group, b)
         assert run is not None, fmt
         for _ in range(2):
             torch.testing.assert_close(run(x, t, b), want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")
+        # another bias, none, and rows that are a strided view: launched as matmul launches them
+        torch.testing.assert_close(run(x.clone(), t, None), lowbit.matmul(x, t, fmt, group, None), rtol=1e-5,
+                                   atol=1e-5, msg=lambda m: f"{fmt}, no bias: {m}")
+        rows_view = torch.zeros(rows, x.shape[1] + 16, device=device)[:, :x.shape[1]]
+        rows_view.copy_(x)  # another row stride
+        torch.testing.assert_close(run(rows_view, t, 2 * b), lowbit.matmul(x, t, fmt, group, 2 * b), rtol=1e-5,
+                                   atol=1e-5, msg=lambda m: f"{fmt}, another bias and row stride: {m}")
         with torch.no_grad():
             t["qweight"].copy_(t["qweight"].flip(0))
         flipped = lowbit.matmul(x, t, fmt, group, b)

@@ -222,17 +222,17 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
 _PLANS = 8  # plans kept per cache (distinct row counts, dtypes, devices) before they start over
 
 
-def _triton_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
+def _triton_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
                  dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
     if _triton_refuses(x, t, fmt, group) is not None:
         return None
     from .triton import lowbit
 
-    return lowbit.plan(x, dict(t), fmt, group)
+    return lowbit.plan(x, dict(t), fmt, group, bias)
 
 
 def _reference_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int,
-                    dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
+                    bias: torch.Tensor | None, dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
     return lambda x, t, bias: F.linear(x, dequantize(t, x.dtype), bias)
 
 
@@ -257,7 +257,7 @@ def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: in
     kept = plans.get(key)
     if kept is None or kept[0] is not impl or kept[2] is not dequantize or len(kept[1]) != len(tensors) \
             or not all(map(operator.is_, kept[1], tensors)):
-        run = planner(x, t, fmt, group, dequantize)
+        run = planner(x, t, fmt, group, bias, dequantize)
         if run is None:
             return None
         if len(plans) >= _PLANS:

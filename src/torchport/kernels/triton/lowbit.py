@@ -313,14 +313,16 @@ def matmul(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch
     return launch(config, x, t, fmt, group, bias)
 
 
-def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int) -> Planned | None:
+def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> Planned | None:
     """:func:`matmul` for ``x``'s shape and dtype and these tensors, decided once: a callable ``(x, t, bias) -> y``
     that launches what ``matmul`` would launch now, for inputs of the same shape, dtype and device and the same
     tensor objects ``t`` (their values may change in place). None until the autotuner has chosen for the shape
-    (call :func:`matmul` first). The dense route's dequantise launch is bound to the weight's tensors.
+    (call :func:`matmul` first). The dense route's dequantise launch and the one-row kernel's launch
+    (``gemv_kernel``, the decode's usual choice) are bound to the weight's tensors; a call with another bias object,
+    or ``x`` with another row stride, launches as ``matmul`` does.
 
     Example:
-        >>> run = plan(x, t, "int4", 128)     # after matmul(x, t, "int4", 128, bias) has run once
+        >>> run = plan(x, t, "int4", 128, bias)   # after matmul(x, t, "int4", 128, bias) has run once
         >>> y = run(x, t, bias)               # == matmul(x, t, "int4", 128, bias)
     """
     m, k = x.shape
@@ -331,12 +333,65 @@ def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int) -> Planned | 
         return None
     if launch is _launch and config.get("KERNEL") == DENSE and n <= _DENSE_CHUNK_BYTES // max(1, k * x.element_size()):
         return _DensePlan(_Dequantizer(t, fmt, group, x.dtype))
+    words = (launch is _launch_gemv and config.get("KERNEL", GEMV_TILED) == GEMV) or \
+        (launch is _launch and config.get("KERNEL", MMA) == ROWS)
+    if words and words_fit(fmt, k) and not capturing(x.device):  # a capture may not make the K split's workspace
+        return _WordsPlan(config, x, t, fmt, group, bias)
     return functools.partial(_configured, launch, config, fmt, group)
 
 
 def _configured(launch: Launch, config: autotune.Config, fmt: str, group: int, x: torch.Tensor, t: dict[str, Any],
                 bias: torch.Tensor | None) -> torch.Tensor:
     return launch(config, x, t, fmt, group, bias)
+
+
+class _WordsPlan:
+    """``gemv_kernel`` for one weight and row count, planned: its grid, K split, workspace and arguments built once;
+    once launched, launched through :class:`.launch.Prepared` while the activations and bias sit on 16-byte
+    boundaries (the specialisation it was prepared for)."""
+
+    __slots__ = ("_bias", "_config", "_fmt", "_grid", "_group", "_meta", "_parts", "_prepared", "_shape", "_static",
+                 "_tail", "_x_stride")
+
+    def __init__(self, config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
+                 bias: torch.Tensor | None) -> None:
+        m, k = x.shape
+        q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
+        n = q.shape[0]
+        words = q.view(torch.int32)
+        n_words = words.shape[1]
+        block_n, block_w = config["BLOCK_N"], config["BLOCK_W"]
+        tiles = cdiv(n, block_n)
+        split, per = _split_ranges(config.get("SPLIT", 1), n_words, block_w)
+        parts = _workspace(x.device, split * m * n, m * tiles) if split > 1 else None  # as _split_workspace
+        if parts is None:
+            split, per = 1, n_words
+        self._config, self._fmt, self._group, self._bias = config, fmt, group, bias
+        self._shape, self._x_stride, self._parts = (m, n), x.stride(0), parts
+        self._grid = (m, tiles, split)
+        self._static = (words, scale, t.get("offset", scale), t.get("global_scale", scale),
+                        scale if bias is None else bias)
+        self._tail = (m, n, k, per, x.stride(0), words.stride(0), scale.stride(0), n, MAGIC_BITS, SIGN_BITS)
+        even = n % block_n == 0 and n_words % per == 0 and per % block_w == 0
+        self._meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None,
+                          EVEN=even, SPLIT=split, PREFETCH=bool(config.get("PREFETCH", 0)), BLOCK_N=block_n,
+                          BLOCK_W=block_w, num_warps=config["num_warps"])
+        self._prepared: Prepared | None = None
+
+    def __call__(self, x: torch.Tensor, t: dict[str, Any], bias: torch.Tensor | None) -> torch.Tensor:
+        if bias is not self._bias or x.stride(0) != self._x_stride:
+            return _launch_words(self._config, x, t, self._fmt, self._group, bias)
+        y = x.new_empty(self._shape)
+        parts = self._parts or (y, y)
+        args = (x, *self._static, y, *parts, *self._tail)
+        aligned = x.data_ptr() % 16 == 0 and (bias is None or bias.data_ptr() % 16 == 0)
+        prepared = self._prepared
+        if prepared is not None and aligned and prepared.launch(args):
+            return y
+        _GEMV_KERNEL.launch(self._grid, *args, **self._meta)
+        if prepared is None and aligned:
+            self._prepared = _GEMV_KERNEL.prepare(self._grid, *args, **self._meta)
+        return y
 
 
 class _DensePlan:
