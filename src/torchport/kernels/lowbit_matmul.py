@@ -255,7 +255,7 @@ def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: in
     key = (x.shape[0], x.dtype, x.device)
     tensors = tuple(t.values())
     kept = plans.get(key)
-    if kept is None or kept[0] is not impl or kept[2] is not dequantize or len(kept[1]) != len(tensors) \
+    if kept is None or kept[0] is not impl or kept[2] != dequantize or len(kept[1]) != len(tensors) \
             or not all(map(operator.is_, kept[1], tensors)):
         run = planner(x, t, fmt, group, bias, dequantize)
         if run is None:
