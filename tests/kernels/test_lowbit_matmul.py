@@ -343,10 +343,12 @@ def test_triton_plan_launches_what_matmul_launches(rows, device):
         # another bias, none, and rows that are a strided view: launched as matmul launches them
         torch.testing.assert_close(run(x.clone(), t, None), lowbit.matmul(x, t, fmt, group, None), rtol=1e-5,
                                    atol=1e-5, msg=lambda m: f"{fmt}, no bias: {m}")
+        torch.testing.assert_close(run(x, t, 2 * b), lowbit.matmul(x, t, fmt, group, 2 * b), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{fmt}, another bias tensor: {m}")
         rows_view = torch.zeros(rows, x.shape[1] + 16, device=device)[:, :x.shape[1]]
         rows_view.copy_(x)  # another row stride
-        torch.testing.assert_close(run(rows_view, t, 2 * b), lowbit.matmul(x, t, fmt, group, 2 * b), rtol=1e-5,
-                                   atol=1e-5, msg=lambda m: f"{fmt}, another bias and row stride: {m}")
+        torch.testing.assert_close(run(rows_view, t, b), lowbit.matmul(x, t, fmt, group, b), rtol=1e-5, atol=1e-5,
+                                   msg=lambda m: f"{fmt}, another row stride: {m}")
         with torch.no_grad():
             t["qweight"].copy_(t["qweight"].flip(0))
         flipped = lowbit.matmul(x, t, fmt, group, b)

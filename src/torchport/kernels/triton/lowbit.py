@@ -318,8 +318,9 @@ def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.T
     that launches what ``matmul`` would launch now, for inputs of the same shape, dtype and device and the same
     tensor objects ``t`` (their values may change in place). None until the autotuner has chosen for the shape
     (call :func:`matmul` first). The dense route's dequantise launch and the one-row kernel's launch
-    (``gemv_kernel``, the decode's usual choice) are bound to the weight's tensors; a call with another bias object,
-    or ``x`` with another row stride, launches as ``matmul`` does.
+    (``gemv_kernel``, the decode's usual choice) are bound to the weight's tensors; a call with a bias where the
+    plan had none (or the reverse, or another dtype), or ``x`` with another row stride, launches as ``matmul``
+    does.
 
     Example:
         >>> run = plan(x, t, "int4", 128, bias)   # after matmul(x, t, "int4", 128, bias) has run once
@@ -350,8 +351,8 @@ class _WordsPlan:
     once launched, launched through :class:`.launch.Prepared` while the activations and bias sit on 16-byte
     boundaries (the specialisation it was prepared for)."""
 
-    __slots__ = ("_bias", "_config", "_fmt", "_grid", "_group", "_meta", "_parts", "_prepared", "_shape", "_static",
-                 "_tail", "_x_stride")
+    __slots__ = ("_bias_dtype", "_config", "_fmt", "_grid", "_group", "_meta", "_parts", "_prepared", "_scale",
+                 "_shape", "_static", "_tail", "_x_stride")
 
     def __init__(self, config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                  bias: torch.Tensor | None) -> None:
@@ -366,11 +367,12 @@ class _WordsPlan:
         parts = _workspace(x.device, split * m * n, m * tiles) if split > 1 else None  # as _split_workspace
         if parts is None:
             split, per = 1, n_words
-        self._config, self._fmt, self._group, self._bias = config, fmt, group, bias
+        self._config, self._fmt, self._group = config, fmt, group
+        self._bias_dtype = None if bias is None else bias.dtype  # the specialisation's: no bias, or one of this dtype
         self._shape, self._x_stride, self._parts = (m, n), x.stride(0), parts
         self._grid = (m, tiles, split)
-        self._static = (words, scale, t.get("offset", scale), t.get("global_scale", scale),
-                        scale if bias is None else bias)
+        self._static = (words, scale, t.get("offset", scale), t.get("global_scale", scale))
+        self._scale = scale  # what the kernel gets in the bias's place when there is none (it reads nothing there)
         self._tail = (m, n, k, per, x.stride(0), words.stride(0), scale.stride(0), n, MAGIC_BITS, SIGN_BITS)
         even = n % block_n == 0 and n_words % per == 0 and per % block_w == 0
         self._meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None,
@@ -379,11 +381,11 @@ class _WordsPlan:
         self._prepared: Prepared | None = None
 
     def __call__(self, x: torch.Tensor, t: dict[str, Any], bias: torch.Tensor | None) -> torch.Tensor:
-        if bias is not self._bias or x.stride(0) != self._x_stride:
+        if (None if bias is None else bias.dtype) != self._bias_dtype or x.stride(0) != self._x_stride:
             return _launch_words(self._config, x, t, self._fmt, self._group, bias)
         y = x.new_empty(self._shape)
         parts = self._parts or (y, y)
-        args = (x, *self._static, y, *parts, *self._tail)
+        args = (x, *self._static, self._scale if bias is None else bias, y, *parts, *self._tail)
         aligned = x.data_ptr() % 16 == 0 and (bias is None or bias.data_ptr() % 16 == 0)
         prepared = self._prepared
         if prepared is not None and aligned and prepared.launch(args):
