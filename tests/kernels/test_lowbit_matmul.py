@@ -280,8 +280,9 @@ def test_a_call_with_a_cache_is_planned_and_answers_as_the_registry(rows, device
 
 
 def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, monkeypatch):
-    """A plan is made again for new tensor objects or another implementation object; a call that needs a gradient
-    takes the registry's path; a plan that raises is dropped and the call still answers through the registry."""
+    """A plan is made again for new tensor objects, a new storage behind one, or another implementation object, and
+    kept for an equal decoder; a call that needs a gradient takes the registry's path; a plan that fails to be made
+    or to run leaves that signature to the registry, and the call still answers."""
     import dataclasses
 
     from torchport.kernels import lowbit_matmul, registry
@@ -292,12 +293,28 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
     with forced("lowbit_matmul=reference"), torch.no_grad():
         cache: dict = {}
         lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=cache)
+        lowbit_linear(x[:3], t, "int4", group, None, dequantize=spec.dequantize, cache=cache)
         first = cache["plans"][key]
-        assert first[1][0] is t["qweight"]
+        assert first[1][0] is t["qweight"] and len(cache["plans"]) == 2
         copy = {name: v.clone() for name, v in t.items()}
         y = lowbit_linear(x, copy, "int4", group, None, dequantize=spec.dequantize, cache=cache)
         assert cache["plans"][key][1][0] is copy["qweight"]
+        assert list(cache["plans"]) == [key]  # the other signature's plan held the old tensors: dropped
         torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+        made = cache["plans"][key]
+        # a decoder that compares equal (a bound method is a new object at each access) keeps the plan
+        decoders = type("Decoders", (), {"int4": lambda self, t, dtype: spec.dequantize(t, dtype)})()
+        lowbit_linear(x, copy, "int4", group, None, dequantize=decoders.int4, cache=cache)
+        made = cache["plans"][key]
+        lowbit_linear(x, copy, "int4", group, None, dequantize=decoders.int4, cache=cache)
+        assert cache["plans"][key] is made
+        # a new storage behind the same tensor object
+        flipped = copy["qweight"].flip(0).clone()
+        copy["qweight"].data = flipped
+        y = lowbit_linear(x, copy, "int4", group, None, dequantize=decoders.int4, cache=cache)
+        assert cache["plans"][key] is not made
+        want_flipped = x.cpu() @ spec.dequantize({n: v.cpu() for n, v in copy.items()}, torch.float32).T
+        torch.testing.assert_close(y.cpu(), want_flipped, rtol=1e-5, atol=1e-5)
         chosen = registry.select("lowbit_matmul", x.device)
         other = dataclasses.replace(chosen)
         monkeypatch.setattr(registry, "select", lambda *args, **kwargs: other)
@@ -305,16 +322,27 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
         assert cache["plans"][key][0] is other
         monkeypatch.undo()
 
+        made_plans = []
+
         def broken(*args):
+            made_plans.append(args)
+
             def run(x, t, bias):
                 raise RuntimeError("a launch that fails")
             return run
 
-        monkeypatch.setitem(lowbit_matmul._PLANNERS, "reference", broken)
-        failing: dict = {}
-        y = lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=failing)
-        torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
-        assert failing["plans"] == {}
+        def unplannable(*args):
+            made_plans.append(args)
+            raise RuntimeError("a plan that cannot be made")
+
+        for planner in (broken, unplannable):
+            monkeypatch.setitem(lowbit_matmul._PLANNERS, "reference", planner)
+            made_plans.clear()
+            failing: dict = {}
+            for _ in range(3):
+                y = lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=failing)
+                torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
+            assert len(made_plans) == 1 and failing["plans"][key][4] is None, planner.__name__
     with forced("lowbit_matmul=reference"):
         trained: dict = {}
         xg = x.clone().requires_grad_()
@@ -325,7 +353,7 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
 
 
 @pytest.mark.parametrize("rows", [1, 3, 20])
-def test_triton_plan_launches_what_matmul_launches(rows, device):
+def test_triton_plan_launches_what_matmul_launches(rows, device, monkeypatch):
     """``lowbit.plan`` once the tuner has chosen: the same kernels as ``matmul``, twice (the second launch of the
     dense route's dequantise and of the one-row kernel goes through its prepared launcher on a GPU), with another
     bias or row stride, and after the codes change in place."""
@@ -343,8 +371,12 @@ def test_triton_plan_launches_what_matmul_launches(rows, device):
         # another bias, none, and rows that are a strided view: launched as matmul launches them
         torch.testing.assert_close(run(x.clone(), t, None), lowbit.matmul(x, t, fmt, group, None), rtol=1e-5,
                                    atol=1e-5, msg=lambda m: f"{fmt}, no bias: {m}")
-        torch.testing.assert_close(run(x, t, 2 * b), lowbit.matmul(x, t, fmt, group, 2 * b), rtol=1e-5, atol=1e-5,
+        other_bias = lowbit.matmul(x, t, fmt, group, 2 * b)
+        if isinstance(run, lowbit._WordsPlan):  # another bias tensor of the plan's dtype: the plan's own launch
+            monkeypatch.setattr(lowbit, "_launch_words", None)
+        torch.testing.assert_close(run(x, t, 2 * b), other_bias, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{fmt}, another bias tensor: {m}")
+        monkeypatch.undo()
         rows_view = torch.zeros(rows, x.shape[1] + 16, device=device)[:, :x.shape[1]]
         rows_view.copy_(x)  # another row stride
         torch.testing.assert_close(run(rows_view, t, b), lowbit.matmul(x, t, fmt, group, b), rtol=1e-5, atol=1e-5,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import io
 import logging
+import pickle
 
 import pytest
 import torch
@@ -268,6 +270,8 @@ def test_inference_calls_keep_a_plan_until_the_layer_moves(device):
         assert ("plans" in layer._cache) == planned
         layer.qweight.copy_(torch.flip(layer.qweight, (0,)))
         torch.testing.assert_close(layer(x), x @ layer.dequantized_weight().T + layer.bias)
+        assert pickle.loads(pickle.dumps(layer))._cache == {}  # copies carry the codes, not the plans
+        assert copy.deepcopy(layer)._cache == {}
         layer.half()
         assert "plans" not in layer._cache
         xh = x.half()

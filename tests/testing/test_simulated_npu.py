@@ -74,6 +74,12 @@ def test_assigning_data_swaps_the_host_data_too(sim: torch.device) -> None:
     t = torch.zeros(3, device=sim)
     t.data = torch.arange(3.0, device=sim)
     assert t.tolist() == [0.0, 1.0, 2.0]
+    from torchport.testing.npu_state import state
+
+    storages = state().storages  # the memory counters follow the host tensor now behind each one
+    assert (sim.index or 0, bias._raw.untyped_storage().data_ptr()) in storages
+    assert (sim.index or 0, t._raw.untyped_storage().data_ptr()) in storages
+    assert copy.deepcopy(layer).bias.dtype == torch.float16
 
 
 def test_memory_counters_follow_live_storages(sim: torch.device) -> None:

@@ -242,9 +242,9 @@ _PLANNERS = {"triton": _triton_plan, "reference": _reference_plan}
 def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
              dequantize: Dequantize, cache: dict[str, Any]) -> torch.Tensor | None:
     """``x @ W.T + bias`` through the plan kept in ``cache`` for ``x``'s signature, made now if the implementation
-    can plan it; None where the call must take the registry's path (no plan: an implementation without a planner,
-    a shape not tuned yet; or a plan that raised, which is dropped so that the registry's path handles the failure
-    as it handles any implementation's)."""
+    can plan it; None where the call must take the registry's path: an implementation without a planner, a shape
+    not tuned yet, or a plan that failed to be made or to run (then none is made again for that signature until the
+    tensors or the implementation change, and the registry's path handles the failure as for any implementation)."""
     impl = registry.select("lowbit_matmul", x.device)
     planner = _PLANNERS.get(impl.name)
     if planner is None:
@@ -254,22 +254,44 @@ def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: in
         plans = cache["plans"] = {}
     key = (x.shape[0], x.dtype, x.device)
     tensors = tuple(t.values())
+    # the same tensor objects on the same storage: a plan holds views of them (a new storage behind one, as
+    # ``t.data = other`` or ``set_`` make, would leave it reading the old)
+    storage = tuple(v.data_ptr() for v in tensors)
     kept = plans.get(key)
-    if kept is None or kept[0] is not impl or kept[2] != dequantize or len(kept[1]) != len(tensors) \
-            or not all(map(operator.is_, kept[1], tensors)):
-        run = planner(x, t, fmt, group, bias, dequantize)
+    if kept is None or kept[0] is not impl or kept[2] != dequantize or kept[3] != storage \
+            or len(kept[1]) != len(tensors) or not all(map(operator.is_, kept[1], tensors)):
+        if kept is not None and (kept[3] != storage or len(kept[1]) != len(tensors)
+                                 or not all(map(operator.is_, kept[1], tensors))):
+            plans.clear()  # every signature's plan holds the old tensors: let them go
+        if key not in plans and len(plans) >= _PLANS:
+            plans.clear()
+        try:
+            run = planner(x, t, fmt, group, bias, dequantize)
+        except registry.PASS_THROUGH:
+            raise
+        except Exception as exc:
+            _plan_failed(plans, key, (impl, tensors, dequantize, storage, None), exc)
+            return None
         if run is None:
             return None
-        if len(plans) >= _PLANS:
-            plans.clear()
-        kept = plans[key] = (impl, tensors, dequantize, run)
-    try:
-        return kept[3](x, t, bias)
-    except torch.OutOfMemoryError:
-        raise
-    except Exception:
-        plans.pop(key, None)
+        kept = plans[key] = (impl, tensors, dequantize, storage, run)
+    run = kept[4]
+    if run is None:  # this signature's plan failed before
         return None
+    try:
+        return run(x, t, bias)
+    except registry.PASS_THROUGH:
+        raise
+    except Exception as exc:
+        _plan_failed(plans, key, kept[:4] + (None,), exc)
+        return None
+
+
+def _plan_failed(plans: dict[Any, Any], key: tuple[Any, ...], entry: tuple[Any, ...], exc: Exception) -> None:
+    """No plan for ``key`` from now on (until its tensors or implementation change), said once in the log."""
+    plans[key] = entry
+    registry.logger.info("torchport.kernels.lowbit_matmul: the planned call for %s failed (%s: %s); such calls "
+                         "take the registry's path", key, type(exc).__name__, exc)
 
 
 # -- torch.ops.torchport.lowbit_matmul: the op a compiled graph calls --------------------------------------------------

@@ -309,6 +309,9 @@ def _is_load_failure(exc: BaseException) -> bool:
 # Exceptions that carry control flow through a kernel call and must reach their catcher unchanged: non-reentrant
 # activation checkpointing stops a recomputation early by raising from inside whatever op is running then.
 _CONTROL_FLOW = tuple(cls for cls in (getattr(torch.utils.checkpoint, "_StopRecomputationError", None),) if cls)
+#: What an implementation may raise that reaches the caller unchanged, never a reason to fall back: out of memory
+#: (the reference needs more), an invalid setting, the caller's bad data (:class:`InputError`), control flow.
+PASS_THROUGH = (torch.OutOfMemoryError, _settings.SettingError, InputError, *_CONTROL_FLOW)
 
 
 def call(op: str, device: torch.device, *args: Any) -> Any:
@@ -325,7 +328,7 @@ def call(op: str, device: torch.device, *args: Any) -> Any:
         return impl.fn(*args)
     try:
         return impl.fn(*args)
-    except (torch.OutOfMemoryError, _settings.SettingError, InputError, *_CONTROL_FLOW):
+    except PASS_THROUGH:
         raise
     except Exception as exc:
         _failed(op, impl, device, exc, "")
@@ -363,7 +366,7 @@ def call_backward(op: str, device: torch.device, grads: Sequence[Any], needs: Se
         return None
     try:
         return impl.backward(grads, needs, *args)
-    except (torch.OutOfMemoryError, _settings.SettingError, InputError, *_CONTROL_FLOW):
+    except PASS_THROUGH:
         raise
     except Unsupported:
         return None

@@ -108,7 +108,8 @@ class State:
                 self._allocate(index, nbytes)
                 entry = self.storages[key] = [0, nbytes]
             entry[0] += 1
-        weakref.finalize(wrapper, self._release, key)
+        # kept on the wrapper, so that a new host tensor behind it (t.data = other) releases this one at once
+        wrapper.__dict__["_tracked"] = weakref.finalize(wrapper, self._release, key)
 
     def _allocate(self, index: int, nbytes: int) -> None:
         mem = self.memory[index]

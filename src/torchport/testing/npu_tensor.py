@@ -46,7 +46,11 @@ class SimulatedTensor(torch.Tensor):
             with torch._C.DisableTorchFunctionSubclass():
                 func(target, value)
             if isinstance(value, SimulatedTensor):
+                previous = target.__dict__.get("_tracked")
                 target._raw = value._raw
+                state().track(target, target.device.index)  # the new storage counted for this tensor too
+                if previous is not None:
+                    previous()  # and the old one's count released now, not when this tensor dies
             return None
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **(kwargs or {}))
@@ -96,7 +100,9 @@ class SimulatedTensor(torch.Tensor):
         copied.requires_grad_(self.requires_grad)
         memo[id(self)] = copied
         for key, value in self.__dict__.items():  # what marks a Parameter (_is_param), and any user attribute
-            if key != "_raw" and not key.startswith("_sym_"):  # not the sizes cached by the dispatch policy
+            # not the host tensor, the sizes cached by the dispatch policy, nor the storage's release (the copy has
+            # its own)
+            if key not in ("_raw", "_tracked") and not key.startswith("_sym_"):
                 copied.__dict__[key] = copy.deepcopy(value, memo)
         return copied
 
