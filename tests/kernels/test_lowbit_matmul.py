@@ -373,7 +373,7 @@ def test_triton_plan_launches_what_matmul_launches(rows, device, monkeypatch):
                                    atol=1e-5, msg=lambda m: f"{fmt}, no bias: {m}")
         other_bias = lowbit.matmul(x, t, fmt, group, 2 * b)
         if isinstance(run, lowbit._WordsPlan):  # another bias tensor of the plan's dtype: the plan's own launch
-            monkeypatch.setattr(lowbit, "_launch_words", None)
+            monkeypatch.setattr(lowbit._WordsPlan, "launch", None)
         torch.testing.assert_close(run(x, t, 2 * b), other_bias, rtol=1e-5, atol=1e-5,
                                    msg=lambda m: f"{fmt}, another bias tensor: {m}")
         monkeypatch.undo()

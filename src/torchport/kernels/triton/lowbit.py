@@ -212,26 +212,7 @@ def _launch_words(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], f
                   bias: torch.Tensor | None) -> torch.Tensor:
     """``gemv_kernel``: one program per row of ``x``, block of output features and K range (rows fastest, so that
     the rows of one block run side by side and read its codes from L2)."""
-    m, k = x.shape
-    q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
-    n = q.shape[0]
-    words = q.view(torch.int32)
-    n_words = words.shape[1]
-    block_n, block_w = config["BLOCK_N"], config["BLOCK_W"]
-    y = x.new_empty((m, n))
-    tiles = cdiv(n, block_n)
-    split, w_split, buffers = _split_workspace(y, *_split_ranges(config.get("SPLIT", 1), n_words, block_w), n_words,
-                                               m * tiles)
-    even = n % block_n == 0 and n_words % w_split == 0 and w_split % block_w == 0
-    _GEMV_KERNEL.launch(
-        (m, tiles, split),
-        x, words, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
-        *buffers, m, n, k, w_split, x.stride(0), words.stride(0), scale.stride(0), y.stride(0), MAGIC_BITS,
-        SIGN_BITS, FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, EVEN=even,
-        SPLIT=split, PREFETCH=bool(config.get("PREFETCH", 0)), BLOCK_N=block_n, BLOCK_W=block_w,
-        num_warps=config["num_warps"],
-    )
-    return y
+    return _WordsPlan(config, x, t, fmt, group, bias).launch(x, bias)
 
 
 def _launch_int4_mma(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], group: int,
@@ -347,9 +328,11 @@ def _configured(launch: Launch, config: autotune.Config, fmt: str, group: int, x
 
 
 class _WordsPlan:
-    """``gemv_kernel`` for one weight and row count, planned: its grid, K split, workspace and arguments built once;
-    once launched, launched through :class:`.launch.Prepared` while the activations and bias sit on 16-byte
-    boundaries (the specialisation it was prepared for)."""
+    """``gemv_kernel`` for one weight and row count: its grid, K split (none while a CUDA graph is captured before
+    the workspace exists), workspace and arguments built once. :meth:`launch` launches it once (``_launch_words``);
+    as a plan (:func:`plan`) it is called again and again, and once launched, launches through
+    :class:`.launch.Prepared` while the activations and bias sit on 16-byte boundaries (the specialisation it was
+    prepared for)."""
 
     __slots__ = ("_bias_dtype", "_config", "_fmt", "_grid", "_group", "_meta", "_parts", "_prepared", "_scale",
                  "_shape", "_static", "_tail", "_x_stride")
@@ -380,12 +363,21 @@ class _WordsPlan:
                           BLOCK_W=block_w, num_warps=config["num_warps"])
         self._prepared: Prepared | None = None
 
+    def _args(self, x: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, tuple[Any, ...]]:
+        y = x.new_empty(self._shape)
+        parts = self._parts or (y, y)  # no K split: the kernel reads no workspace
+        return y, (x, *self._static, self._scale if bias is None else bias, y, *parts, *self._tail)
+
+    def launch(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """One launch through :meth:`.launch.Kernel.launch`, for the ``x`` and ``bias`` the plan was made for."""
+        y, args = self._args(x, bias)
+        _GEMV_KERNEL.launch(self._grid, *args, **self._meta)
+        return y
+
     def __call__(self, x: torch.Tensor, t: dict[str, Any], bias: torch.Tensor | None) -> torch.Tensor:
         if (None if bias is None else bias.dtype) != self._bias_dtype or x.stride(0) != self._x_stride:
-            return _launch_words(self._config, x, t, self._fmt, self._group, bias)
-        y = x.new_empty(self._shape)
-        parts = self._parts or (y, y)
-        args = (x, *self._static, self._scale if bias is None else bias, y, *parts, *self._tail)
+            return _WordsPlan(self._config, x, t, self._fmt, self._group, bias).launch(x, bias)
+        y, args = self._args(x, bias)
         aligned = x.data_ptr() % 16 == 0 and (bias is None or bias.data_ptr() % 16 == 0)
         prepared = self._prepared
         if prepared is not None and aligned and prepared.launch(args):
