@@ -29,24 +29,19 @@ from torchport.quant import quantize
 from torchport.quant.formats import FORMATS
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.accelerator.synchronize(device)
-
-
 def enqueue_us(fn: Callable[[], object], device: torch.device, calls: int, repeats: int) -> float:
     """Median over ``repeats`` rounds of the mean host time of one of ``calls`` back-to-back calls, in µs."""
     for _ in range(5):
         fn()
-    _sync(device)
+    torchport.synchronize(device)
     rounds = []
     for _ in range(repeats):
-        _sync(device)
+        torchport.synchronize(device)
         start = time.perf_counter()
         for _ in range(calls):
             fn()
         rounds.append((time.perf_counter() - start) / calls * 1e6)
-    _sync(device)
+    torchport.synchronize(device)
     return statistics.median(rounds)
 
 

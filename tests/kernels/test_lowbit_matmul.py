@@ -295,10 +295,10 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
         lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=cache)
         lowbit_linear(x[:3], t, "int4", group, None, dequantize=spec.dequantize, cache=cache)
         first = cache["plans"][key]
-        assert first[1][0] is t["qweight"] and len(cache["plans"]) == 2
+        assert first.tensors[0] is t["qweight"] and len(cache["plans"]) == 2
         copy = {name: v.clone() for name, v in t.items()}
         y = lowbit_linear(x, copy, "int4", group, None, dequantize=spec.dequantize, cache=cache)
-        assert cache["plans"][key][1][0] is copy["qweight"]
+        assert cache["plans"][key].tensors[0] is copy["qweight"]
         assert list(cache["plans"]) == [key]  # the other signature's plan held the old tensors: dropped
         torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
         made = cache["plans"][key]
@@ -319,7 +319,7 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
         other = dataclasses.replace(chosen)
         monkeypatch.setattr(registry, "select", lambda *args, **kwargs: other)
         lowbit_linear(x, copy, "int4", group, None, dequantize=spec.dequantize, cache=cache)
-        assert cache["plans"][key][0] is other
+        assert cache["plans"][key].impl is other
         monkeypatch.undo()
 
         made_plans = []
@@ -342,7 +342,7 @@ def test_a_plan_follows_the_tensors_and_the_registry_and_steps_aside(device, mon
             for _ in range(3):
                 y = lowbit_linear(x, t, "int4", group, None, dequantize=spec.dequantize, cache=failing)
                 torch.testing.assert_close(y.cpu(), want, rtol=1e-5, atol=1e-5)
-            assert len(made_plans) == 1 and failing["plans"][key][4] is None, planner.__name__
+            assert len(made_plans) == 1 and failing["plans"][key].run is None, planner.__name__
     with forced("lowbit_matmul=reference"):
         trained: dict = {}
         xg = x.clone().requires_grad_()

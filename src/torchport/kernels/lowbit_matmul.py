@@ -22,7 +22,7 @@ from __future__ import annotations
 import operator
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -222,6 +222,16 @@ def lowbit_linear(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, grou
 _PLANS = 8  # plans kept per cache (distinct row counts, dtypes, devices) before they start over
 
 
+class _Plan(NamedTuple):
+    """A signature's plan and what it is valid for; ``run`` None: planning failed, take the registry's path."""
+
+    impl: registry.Implementation
+    tensors: tuple[torch.Tensor, ...]
+    dequantize: Dequantize
+    storage: tuple[int, ...]
+    run: Callable[..., torch.Tensor] | None
+
+
 def _triton_plan(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: int, bias: torch.Tensor | None,
                  dequantize: Dequantize) -> Callable[..., torch.Tensor] | None:
     if _triton_refuses(x, t, fmt, group) is not None:
@@ -258,36 +268,36 @@ def _planned(x: torch.Tensor, t: Mapping[str, torch.Tensor], fmt: str, group: in
     # ``t.data = other`` or ``set_`` make, would leave it reading the old)
     storage = tuple(v.data_ptr() for v in tensors)
     kept = plans.get(key)
-    if kept is None or kept[0] is not impl or kept[2] != dequantize or kept[3] != storage \
-            or len(kept[1]) != len(tensors) or not all(map(operator.is_, kept[1], tensors)):
-        if kept is not None and (kept[3] != storage or len(kept[1]) != len(tensors)
-                                 or not all(map(operator.is_, kept[1], tensors))):
-            plans.clear()  # every signature's plan holds the old tensors: let them go
+    if kept is not None and (kept.storage != storage or len(kept.tensors) != len(tensors)
+                             or not all(map(operator.is_, kept.tensors, tensors))):
+        plans.clear()  # every signature's plan holds the old tensors: let them go
+        kept = None
+    if kept is None or kept.impl is not impl or kept.dequantize != dequantize:
         if key not in plans and len(plans) >= _PLANS:
             plans.clear()
+        kept = _Plan(impl, tensors, dequantize, storage, None)
         try:
             run = planner(x, t, fmt, group, bias, dequantize)
         except registry.PASS_THROUGH:
             raise
         except Exception as exc:
-            _plan_failed(plans, key, (impl, tensors, dequantize, storage, None), exc)
+            _plan_failed(plans, key, kept, exc)
             return None
-        if run is None:
+        if run is None:  # nothing to plan yet (a shape not tuned): asked again at the next call
             return None
-        kept = plans[key] = (impl, tensors, dequantize, storage, run)
-    run = kept[4]
-    if run is None:  # this signature's plan failed before
+        kept = plans[key] = kept._replace(run=run)
+    if kept.run is None:  # this signature's plan failed before
         return None
     try:
-        return run(x, t, bias)
+        return kept.run(x, t, bias)
     except registry.PASS_THROUGH:
         raise
     except Exception as exc:
-        _plan_failed(plans, key, kept[:4] + (None,), exc)
+        _plan_failed(plans, key, kept._replace(run=None), exc)
         return None
 
 
-def _plan_failed(plans: dict[Any, Any], key: tuple[Any, ...], entry: tuple[Any, ...], exc: Exception) -> None:
+def _plan_failed(plans: dict[Any, Any], key: tuple[Any, ...], entry: _Plan, exc: Exception) -> None:
     """No plan for ``key`` from now on (until its tensors or implementation change), said once in the log."""
     plans[key] = entry
     registry.logger.info("torchport.kernels.lowbit_matmul: the planned call for %s failed (%s: %s); such calls "

@@ -117,9 +117,11 @@ class QuantizedLinear(nn.Module):
             self._cache.pop("dense", None)
         # The format's decoder, looked up once per format name, not per call; a graph that dynamo traces calls the
         # custom op, which looks it up itself (the lookup takes a lock that dynamo cannot trace)
-        decoder = None if torch.compiler.is_dynamo_compiling() else _DECODERS.get(self.format)
-        if decoder is None and not torch.compiler.is_dynamo_compiling():
-            decoder = _DECODERS[self.format] = get_format(self.format).dequantize
+        decoder = None
+        if not torch.compiler.is_dynamo_compiling():
+            decoder = _DECODERS.get(self.format)
+            if decoder is None:
+                decoder = _DECODERS[self.format] = get_format(self.format).dequantize
         return lowbit_linear(x, self.tensors(), self.format, self.group_size, self.bias, dequantize=decoder,
                              cache=self._cache)
 

@@ -404,17 +404,16 @@ class _Dequantizer:
     """The dequantise launch of one weight's tensors into ``dtype``: its arguments built once; once its kernel has
     been launched, launched through :class:`.launch.Prepared` (a fresh output is the one argument that changes)."""
 
-    __slots__ = ("_args", "_device", "_dtype", "_grid", "_meta", "_prepared", "_shape")
+    __slots__ = ("_device", "_dtype", "_grid", "_head", "_meta", "_prepared", "_shape", "_tail")
 
     def __init__(self, t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> None:
-        self._shape, self._device, self._grid, self._args, self._meta = _dequantize_launch(t, fmt, group)
+        self._shape, self._device, self._grid, self._head, self._tail, self._meta = _dequantize_launch(t, fmt, group)
         self._dtype = dtype
         self._prepared: Prepared | None = None
 
     def __call__(self) -> torch.Tensor:
         w = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        a = self._args
-        args = (a[0], a[1], a[2], a[3], w, *a[5:])
+        args = (*self._head, w, *self._tail)
         prepared = self._prepared
         if prepared is not None and w.data_ptr() % 16 == 0 and prepared.launch(args):
             return w
@@ -426,25 +425,25 @@ class _Dequantizer:
 
 def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[int, int], torch.device,
                                                                          tuple[int, int], tuple[Any, ...],
-                                                                         dict[str, Any]]:
-    """(weight shape, device, grid, runtime arguments, constexprs) of the dequantise kernel; the output's place in
-    the arguments (index 4) is None, for a contiguous output (its row stride is in_features)."""
+                                                                         tuple[Any, ...], dict[str, Any]]:
+    """(weight shape, device, grid, runtime arguments before the output, those after it, constexprs) of the
+    dequantise kernel, for a contiguous output (its row stride is in_features)."""
     q, scale = t["qweight"], t["scale"]
     n = q.shape[0]
     k = q.shape[1] * (1 if fmt in PER_CHANNEL else 2)
     q, scale = _as_bytes(fmt, q, scale)
     block_n = 16
     block_k = 256 if fmt in PER_CHANNEL else max(group, 128)  # a whole number of groups per program
-    args = (q, scale, t.get("offset", scale), t.get("global_scale", scale), None, n, k, q.stride(0), scale.stride(0),
-            k)
+    head = (q, scale, t.get("offset", scale), t.get("global_scale", scale))
+    tail = (n, k, q.stride(0), scale.stride(0), k)
     meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
                 num_warps=4)
-    return (n, k), q.device, (cdiv(n, block_n), cdiv(k, block_k)), args, meta
+    return (n, k), q.device, (cdiv(n, block_n), cdiv(k, block_k)), head, tail, meta
 
 
 def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> torch.Tensor:
     """The dense ``(out_features, in_features)`` weight in ``dtype``, in one pass over the codes."""
-    shape, device, grid, args, meta = _dequantize_launch(t, fmt, group)
+    shape, device, grid, head, tail, meta = _dequantize_launch(t, fmt, group)
     w = torch.empty(shape, dtype=dtype, device=device)
-    _DEQUANTIZE_KERNEL.launch(grid, *args[:4], w, *args[5:], **meta)
+    _DEQUANTIZE_KERNEL.launch(grid, *head, w, *tail, **meta)
     return w
