@@ -24,7 +24,7 @@ from torchport.kernels.glu import geglu_reference, swiglu_reference
 from torchport.kernels.layer_norm import layer_norm_reference
 from torchport.kernels.rms_norm import rms_norm_reference
 from torchport.kernels.rope import rope_reference
-from torchport.kernels.triton import autotune, glu, next_power_of_2, norm, rope
+from torchport.kernels.triton import autotune, cross_entropy, glu, next_power_of_2, norm, rope
 
 from kernel_cases import call, check_close, gradients, leaf
 
@@ -534,3 +534,47 @@ def test_every_rope_candidate_matches_the_reference(triton_device, monkeypatch):
             check_close(name, got, want, torch.float32)
 
     _each_candidate(monkeypatch, list(rope._TUNED.values()), run)
+
+
+def _cross_entropy_case(rows: int = 6, columns: int = 5000):
+    """float64 logits with some ignored rows, their per-row losses and ``0.5 · d Σ loss / d logits``."""
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(rows, columns, generator=gen, dtype=torch.float64) * 3
+    t = torch.randint(0, columns, (rows,), generator=gen)
+    t[1] = -100
+    ref_x = x.clone().requires_grad_()
+    loss = torch.nn.functional.cross_entropy(ref_x, t, ignore_index=-100, reduction="none")
+    (0.5 * loss.sum()).backward()
+    return x, t, loss.detach(), ref_x.grad
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["new buffer", "in place"])
+def test_every_cross_entropy_candidate_matches_the_reference(in_place, triton_device, monkeypatch):
+    """5000 columns: rows longer than the kernel holds in registers, one or two chunks by candidate."""
+    x, t, ref_loss, ref_grad = _cross_entropy_case()
+
+    def run():
+        for want_grad in (True, False):
+            logits = x.to(triton_device, torch.float32)
+            grad = (logits if in_place else torch.empty_like(logits)) if want_grad else None
+            loss = cross_entropy.loss_and_grad(logits, t.to(triton_device), -100, 0.0, 0.0, 0.5, grad)
+            check_close("loss", loss, ref_loss, torch.float32)
+            if want_grad:
+                check_close("grad", grad, ref_grad, torch.float32)
+
+    _each_candidate(monkeypatch, [cross_entropy._CHUNKED_TUNED], run)
+
+
+def test_in_place_cross_entropy_tunes_on_scratch_gradients(triton_device, monkeypatch):
+    """In place (the fused linear cross-entropy's chunks), the gradient is written over the logits: tuning first
+    launches every candidate, which must not write over the logits the final launch reads."""
+    monkeypatch.setattr(autotune, "timer", _prefer(None))
+    x, t, ref_loss, ref_grad = _cross_entropy_case()
+    logits = x.to(triton_device, torch.float32)
+    loss = cross_entropy.loss_and_grad(logits, t.to(triton_device), -100, 0.0, 0.0, 0.5, logits)
+    check_close("loss", loss, ref_loss, torch.float32)
+    check_close("grad", logits, ref_grad, torch.float32)
+    [entry] = autotune.entries()
+    assert entry["key"] == "cross_entropy.chunked float32 block_v=8192,rows=256,grad=1"
+    assert entry["config"] != entry["timings"][0]["config"] and len(entry["timings"]) == 6
+    assert cross_entropy._CHUNKED_TUNED.lookup(logits.device, logits.dtype, 6, 5000, 1) == entry["config"]

@@ -23,6 +23,9 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   multiprocessor, 132 MB, and read part of each row twice from memory; without the loads ahead, so few programs
   kept too few loads in flight (57–74%). 8192 x 128256 bf16: 1.672 ms, 83.8% of the ceiling, against 1.901 ms for
   a program per row in the same run (an H100; another H100 had measured that launch at 1.80 ms, 77.6%).
+  These are the heuristics; the chunked kernel's launch is timed once per shape bucket on the device itself
+  (:mod:`.autotune`, ``cross_entropy.chunked``), because cards differ: an H200 runs a program per row of 8 warps
+  without the hints 10-23% faster than the persistent grid at 128256 columns.
   Splitting a row over programs that hold it in registers and exchange their statistics through memory moves the
   least bytes but measured 46–63% (notes in ``benchmarks/KERNELS_NOTES.md``).
 
@@ -46,7 +49,7 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import cdiv, multiprocessor_count, next_power_of_2
+from . import autotune, cdiv, multiprocessor_count, next_power_of_2
 from .launch import Kernel
 from .loss_reduce import mean_scale, reduce_rows, scale_rows
 
@@ -196,7 +199,8 @@ _ROWS, _CHUNKED = Kernel(_rows_kernel), Kernel(_chunked_kernel)
 
 
 def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
-    """The launch :func:`loss_and_grad` uses for ``n`` rows of ``v`` logits of ``element_size`` bytes."""
+    """The hand-chosen launch for ``n`` rows of ``v`` logits of ``element_size`` bytes: what :func:`loss_and_grad`
+    runs where nothing is timed, and the first candidate the tuner times for rows longer than ``_ROW_MAX``."""
     width = next_power_of_2(max(v, 1))
     if width <= _ROW_MAX:
         # 2048 values (4 warps) per program: measured best at 256 and 4096 columns (8192 rows, H100)
@@ -213,12 +217,76 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
     return Launch("chunked", min(_BLOCK, width), 16, 0)
 
 
+# The chunked kernel's launch is timed per device: the cards disagree. At 128256 bf16 columns the H100 ran the
+# persistent grid (the heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; an H200 ran a
+# program per row of 8 warps over 8192-column chunks without eviction hints fastest, 1.668 against 1.853 ms at
+# 8192 rows and 260.8 against 337.6 us at 1024 rows (the fused linear cross-entropy's chunk).
+# benchmarks/RESULTS.md, "the cross-entropy's launch timed per device".
+def _to_config(launch: Launch) -> autotune.Config:
+    return {"BLOCK": launch.block, "num_warps": launch.warps, "per_sm": launch.per_sm, "evict": int(launch.evict),
+            "prefetch": int(launch.prefetch)}
+
+
+def _from_config(config: autotune.Config) -> Launch:
+    return Launch("chunked", config["BLOCK"], config["num_warps"], config["per_sm"], evict=bool(config["evict"]),
+                  prefetch=bool(config["prefetch"]))
+
+
+def _chunked_bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
+    return next_power_of_2(v), autotune.coarse(n, 256, 65536), grad
+
+
+def _chunked_candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
+    """The heuristic first; then programs per row of 4-16 warps, with and without the eviction hints, and the
+    persistent grid with its loads ahead. Chunks never wider than the row."""
+    heuristic = launch_for(rows, width, 2, 0)
+    others = [Launch("chunked", 8192, 8, 0, evict=False), Launch("chunked", 8192, 8, 0),
+              Launch("chunked", 16384, 16, 0, evict=False), Launch("chunked", 4096, 4, 0),
+              Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
+    configs = [_to_config(heuristic)] + [_to_config(c) for c in others]
+    for config in configs:
+        config["BLOCK"] = min(config["BLOCK"], width)
+    return autotune.distinct(configs)[:6]
+
+
+_CHUNKED_TUNED = autotune.Tunable("cross_entropy.chunked", ("block_v", "rows", "grad"), _chunked_bucket,
+                                  _chunked_candidates)
+
+
+def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Any, want_grad: bool, sms: int) -> Launch:
+    """The launch for these sizes: the heuristic for rows held in registers; for longer rows the tuner's choice,
+    timed on the first call of a shape bucket. ``run(launch, out)`` launches once with the gradient written to
+    ``out``; while timing, a gradient that would overwrite the logits goes to a scratch buffer instead (allocated
+    once, on the first candidate: out of memory there leaves the heuristic, which the tuner then keeps)."""
+    n, v = logits.shape
+    heuristic = launch_for(n, v, logits.element_size(), sms)
+    if heuristic.kind != "chunked":
+        return heuristic
+    sizes = (n, v, int(want_grad))
+    config = _CHUNKED_TUNED.lookup(logits.device, logits.dtype, *sizes)
+    if config is None:
+        overlaps = want_grad and dx.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
+        scratch: list[torch.Tensor] = []
+
+        def time_one(config: autotune.Config) -> None:
+            out = dx
+            if overlaps:
+                if not scratch:
+                    scratch.append(torch.empty(logits.shape, dtype=dx.dtype, device=dx.device))
+                out = scratch[0]
+            run(_from_config(config), out)
+
+        config = _CHUNKED_TUNED.tune(logits.device, logits.dtype, sizes, time_one)
+    return _from_config(config)
+
+
 def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
                   z_loss: float, grad_scale: float | torch.Tensor, grad_out: torch.Tensor | None,
                   launch: Launch | None = None) -> torch.Tensor:
     """Per-row losses (float32, 0 for ignored rows) of ``[N, V]`` logits; when ``grad_out`` is given (``[N, V]``,
     unit column stride, may be ``logits`` itself) it receives ``grad_scale · d loss_row / d logits``
     (``grad_scale``: a float, or a one-element float32 tensor on the logits' device, read by the kernel).
+    ``launch``: a launch of its own instead of the chosen one (the tuner's for long rows).
 
     A row whose target is neither ``ignore_index`` nor a class in ``[0, V)`` gets a NaN loss and no gradient, and
     nothing outside its row is read: the check that a compiled or captured graph needs, made by the kernel itself.
@@ -234,19 +302,23 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     if not isinstance(grad_scale, torch.Tensor):
         grad_scale = torch.full((1,), float(grad_scale), dtype=torch.float32, device=logits.device)
     sms = multiprocessor_count(logits.device)
-    plan = launch or launch_for(n, v, logits.element_size(), sms)
+    want_grad = grad_out is not None
     dx = grad_out if grad_out is not None else logits
-    args = (logits, dx, target, loss, grad_scale, logits.stride(0), dx.stride(0), n, v, int(ignore_index),
-            float(label_smoothing), float(z_loss))
-    if plan.kind == "rows":
-        _ROWS.launch((cdiv(n, plan.block),), *args, WANT_GRAD=grad_out is not None, BLOCK_M=plan.block,
-                     BLOCK_V=next_power_of_2(v), num_warps=plan.warps)
-    else:
-        block = min(plan.block, next_power_of_2(v))
-        programs = n if plan.per_sm == 0 else min(n, sms * plan.per_sm)
-        _CHUNKED.launch((programs,), *args, WANT_GRAD=grad_out is not None, BLOCK=block, REVERSE=plan.reverse,
-                        KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
-                        PREFETCH=plan.prefetch, num_warps=plan.warps)
+
+    def run(plan: Launch, out: torch.Tensor) -> None:
+        args = (logits, out, target, loss, grad_scale, logits.stride(0), out.stride(0), n, v, int(ignore_index),
+                float(label_smoothing), float(z_loss))
+        if plan.kind == "rows":
+            _ROWS.launch((cdiv(n, plan.block),), *args, WANT_GRAD=want_grad, BLOCK_M=plan.block,
+                         BLOCK_V=next_power_of_2(v), num_warps=plan.warps)
+        else:
+            block = min(plan.block, next_power_of_2(v))
+            programs = n if plan.per_sm == 0 else min(n, sms * plan.per_sm)
+            _CHUNKED.launch((programs,), *args, WANT_GRAD=want_grad, BLOCK=block, REVERSE=plan.reverse,
+                            KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
+                            PREFETCH=plan.prefetch, num_warps=plan.warps)
+
+    run(launch or _tuned_launch(logits, dx, run, want_grad, sms), dx)
     return loss
 
 
