@@ -12,8 +12,8 @@ __all__ = ["BACKWARD", "FORWARD"]
 # Launch configurations. The tuner (autotune.py) times these candidates once per bucket — the row width rounded up
 # to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
 # list is the hand-tuned heuristic, used as it is where nothing can be timed. For the one-kernel backwards, programs
-# per multiprocessor only go down from the heuristic: the weight-gradient partial sums (programs x n x 4 bytes) never
-# grow past its size.
+# per multiprocessor only go down from the heuristic, or from one to two: the weight-gradient partial sums (programs x
+# n x 4 bytes) never grow past the heuristic's size, or 2 x SMs x 8192 x 4 bytes (8.25 MiB on a 132-SM card).
 _ROWS = (256, 65536)  # row-count buckets: 256, 1024, 4096, 16384, 65536 and more
 _MAX_WARPS = 32
 
@@ -55,6 +55,9 @@ def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]
         return autotune.distinct([
             {"BLOCK_M": m, "num_warps": w, "per_sm": p},
             {"BLOCK_M": m, "num_warps": max(1, w // 2), "per_sm": p},
+            # one program per SM: also two of half the rows (LayerNorm 8192 x 4096 bf16 on an H200: 1 row x 8 warps
+            # x 2 per SM 72.0 us against the heuristic's 82.2; benchmarks/results/issue23/norm_probe_h200.json)
+            {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": 2} if p == 1 else
             {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2), "per_sm": p},
             {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": p},
             {"BLOCK_M": m * 2, "num_warps": w, "per_sm": p},
