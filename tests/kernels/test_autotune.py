@@ -548,10 +548,12 @@ def _cross_entropy_case(rows: int = 6, columns: int = 5000):
     return x, t, loss.detach(), ref_x.grad
 
 
+@pytest.mark.parametrize("columns", [300, 5000], ids=["rows held whole", "longer rows"])
 @pytest.mark.parametrize("in_place", [False, True], ids=["new buffer", "in place"])
-def test_every_cross_entropy_candidate_matches_the_reference(in_place, triton_device, monkeypatch):
-    """5000 columns: rows longer than the kernel holds in registers, one or two chunks by candidate."""
-    x, t, ref_loss, ref_grad = _cross_entropy_case()
+def test_every_cross_entropy_candidate_matches_the_reference(in_place, columns, triton_device, monkeypatch):
+    """300 columns: rows the kernel holds in registers (both kernels among the candidates); 5000: longer rows, one or
+    two chunks by candidate."""
+    x, t, ref_loss, ref_grad = _cross_entropy_case(columns=columns)
 
     def run():
         for want_grad in (True, False):
@@ -562,7 +564,7 @@ def test_every_cross_entropy_candidate_matches_the_reference(in_place, triton_de
             if want_grad:
                 check_close("grad", grad, ref_grad, torch.float32)
 
-    _each_candidate(monkeypatch, [cross_entropy._CHUNKED_TUNED], run)
+    _each_candidate(monkeypatch, [cross_entropy._TUNED], run)
 
 
 def test_in_place_cross_entropy_tunes_on_scratch_gradients(triton_device, monkeypatch):
@@ -575,6 +577,6 @@ def test_in_place_cross_entropy_tunes_on_scratch_gradients(triton_device, monkey
     check_close("loss", loss, ref_loss, torch.float32)
     check_close("grad", logits, ref_grad, torch.float32)
     [entry] = autotune.entries()
-    assert entry["key"] == "cross_entropy.chunked float32 block_v=8192,rows=256,grad=1"
+    assert entry["key"] == "cross_entropy.launch float32 block_v=8192,rows=256,grad=1"
     assert entry["config"] != entry["timings"][0]["config"] and len(entry["timings"]) == 6
-    assert cross_entropy._CHUNKED_TUNED.lookup(logits.device, logits.dtype, 6, 5000, 1) == entry["config"]
+    assert cross_entropy._TUNED.lookup(logits.device, logits.dtype, 6, 5000, 1) == entry["config"]

@@ -23,11 +23,13 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   multiprocessor, 132 MB, and read part of each row twice from memory; without the loads ahead, so few programs
   kept too few loads in flight (57–74%). 8192 x 128256 bf16: 1.672 ms, 83.8% of the ceiling, against 1.901 ms for
   a program per row in the same run (an H100; another H100 had measured that launch at 1.80 ms, 77.6%).
-  These are the heuristics; the chunked kernel's launch is timed once per shape bucket on the device itself
-  (:mod:`.autotune`, ``cross_entropy.chunked``), because cards differ: an H200 runs a program per row of 8 warps
-  without the hints 10-23% faster than the persistent grid at 128256 columns.
   Splitting a row over programs that hold it in registers and exchange their statistics through memory moves the
   least bytes but measured 46–63% (notes in ``benchmarks/KERNELS_NOTES.md``).
+
+These are the heuristics. The launch is timed once per shape bucket on the device itself (:mod:`.autotune`,
+``cross_entropy.launch``; both kernels among the candidates of short rows), because cards differ: an H200 runs
+programs per row 10-23% faster than the persistent grid at 128256 columns, and other launches than the heuristics
+9-14% faster at 256, 1024 and 4096 columns (kernel alone).
 
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
@@ -217,53 +219,63 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
     return Launch("chunked", min(_BLOCK, width), 16, 0)
 
 
-# The chunked kernel's launch is timed per device: the cards disagree. At 128256 bf16 columns the H100 ran the
-# persistent grid (the heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; an H200 ran a
-# program per row of 8 warps over 8192-column chunks without eviction hints fastest, 1.668 against 1.853 ms at
-# 8192 rows and 260.8 against 337.6 us at 1024 rows (the fused linear cross-entropy's chunk).
-# benchmarks/RESULTS.md, "the cross-entropy's launch timed per device".
+# The launch is timed per device: the cards disagree. At 128256 bf16 columns the H100 ran the persistent grid (the
+# heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; an H200 ran programs per row of 4-8
+# warps fastest, 1.668 against 1.853 ms at 8192 rows, and at short rows other shapes of program than the heuristic's:
+# 1024 columns one row of one warp, 19.0 against 22.2 us; 4096 columns the chunked kernel, 55.8 against 62.8 us.
+# benchmarks/RESULTS.md, "issue 23 item 3 on an H200".
+_KIND_ROWS, _KIND_CHUNKED = 0, 1  # a configuration's "kind"
+
+
 def _to_config(launch: Launch) -> autotune.Config:
-    return {"BLOCK": launch.block, "num_warps": launch.warps, "per_sm": launch.per_sm, "evict": int(launch.evict),
-            "prefetch": int(launch.prefetch)}
+    if launch.kind == "rows":
+        return {"kind": _KIND_ROWS, "BLOCK": launch.block, "num_warps": launch.warps}
+    return {"kind": _KIND_CHUNKED, "BLOCK": launch.block, "num_warps": launch.warps, "per_sm": launch.per_sm,
+            "evict": int(launch.evict), "prefetch": int(launch.prefetch)}
 
 
 def _from_config(config: autotune.Config) -> Launch:
+    if config["kind"] == _KIND_ROWS:
+        return Launch("rows", config["BLOCK"], config["num_warps"])
     return Launch("chunked", config["BLOCK"], config["num_warps"], config["per_sm"], evict=bool(config["evict"]),
                   prefetch=bool(config["prefetch"]))
 
 
-def _chunked_bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
+def _bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
     return next_power_of_2(v), autotune.coarse(n, 256, 65536), grad
 
 
-def _chunked_candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
-    """The heuristic first; then programs per row of 4-16 warps, with and without the eviction hints, and the
-    persistent grid with its loads ahead. Chunks never wider than the row."""
+def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
+    """The heuristic first. Rows held whole (up to ``_ROW_MAX``): fewer rows or warps per program, twice the warps,
+    and the chunked kernel over one or two chunks. Longer rows: programs per row of 4-16 warps with and without
+    the eviction hints, and the persistent grid with its loads ahead. Chunks never wider than the row."""
     heuristic = launch_for(rows, width, 2, 0)
-    others = [Launch("chunked", 8192, 8, 0, evict=False), Launch("chunked", 8192, 8, 0),
-              Launch("chunked", 16384, 16, 0, evict=False), Launch("chunked", 4096, 4, 0),
-              Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
+    if heuristic.kind == "rows":
+        m = heuristic.block
+        others = [Launch("rows", max(1, m // 4), 1), Launch("rows", max(1, m // 2), 2),
+                  Launch("rows", max(1, m // 2), 4), Launch("rows", m, 8), Launch("chunked", 4096, 4, 0)]
+    else:
+        others = [Launch("chunked", 8192, 8, 0, evict=False), Launch("chunked", 8192, 8, 0),
+                  Launch("chunked", 16384, 16, 0, evict=False), Launch("chunked", 4096, 4, 0),
+                  Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
     configs = [_to_config(heuristic)] + [_to_config(c) for c in others]
     for config in configs:
-        config["BLOCK"] = min(config["BLOCK"], width)
+        if config["kind"] == _KIND_CHUNKED:
+            config["BLOCK"] = min(config["BLOCK"], width)
     return autotune.distinct(configs)[:6]
 
 
-_CHUNKED_TUNED = autotune.Tunable("cross_entropy.chunked", ("block_v", "rows", "grad"), _chunked_bucket,
-                                  _chunked_candidates)
+_TUNED = autotune.Tunable("cross_entropy.launch", ("block_v", "rows", "grad"), _bucket, _candidates)
 
 
-def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Any, want_grad: bool, sms: int) -> Launch:
-    """The launch for these sizes: the heuristic for rows held in registers; for longer rows the tuner's choice,
-    timed on the first call of a shape bucket. ``run(launch, out)`` launches once with the gradient written to
-    ``out``; while timing, a gradient that would overwrite the logits goes to a scratch buffer instead (allocated
-    once, on the first candidate: out of memory there leaves the heuristic, which the tuner then keeps)."""
+def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Any, want_grad: bool) -> Launch:
+    """The tuner's launch for these sizes, timed on the first call of a shape bucket. ``run(launch, out)`` launches
+    once with the gradient written to ``out``; while timing, a gradient that would overwrite the logits goes to a
+    scratch buffer instead (allocated once, on the first candidate: out of memory there leaves the heuristic, which
+    the tuner then keeps)."""
     n, v = logits.shape
-    heuristic = launch_for(n, v, logits.element_size(), sms)
-    if heuristic.kind != "chunked":
-        return heuristic
     sizes = (n, v, int(want_grad))
-    config = _CHUNKED_TUNED.lookup(logits.device, logits.dtype, *sizes)
+    config = _TUNED.lookup(logits.device, logits.dtype, *sizes)
     if config is None:
         overlaps = want_grad and dx.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
         scratch: list[torch.Tensor] = []
@@ -276,7 +288,7 @@ def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Any, want_grad: b
                 out = scratch[0]
             run(_from_config(config), out)
 
-        config = _CHUNKED_TUNED.tune(logits.device, logits.dtype, sizes, time_one)
+        config = _TUNED.tune(logits.device, logits.dtype, sizes, time_one)
     return _from_config(config)
 
 
@@ -318,7 +330,7 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                             KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
                             PREFETCH=plan.prefetch, num_warps=plan.warps)
 
-    run(launch or _tuned_launch(logits, dx, run, want_grad, sms), dx)
+    run(launch or _tuned_launch(logits, dx, run, want_grad), dx)
     return loss
 
 
