@@ -461,9 +461,11 @@ def _each_candidate(monkeypatch, tunables, run):
                         for (name, bucket), configs in offered.items() for c in configs}
 
 
-@pytest.mark.parametrize("chunked", [False, True], ids=["fused", "chunked"])
-def test_every_norm_candidate_matches_the_reference(chunked, triton_device, monkeypatch):
-    shape = (3, 5000) if chunked else (3, 5, 37)
+@pytest.mark.parametrize("chunked, shape", [(False, (3, 5, 37)), (False, (3, 2000)), (True, (3, 5000))],
+                         ids=["fused", "fused, one program per SM", "chunked"])
+def test_every_norm_candidate_matches_the_reference(chunked, shape, triton_device, monkeypatch):
+    """Short rows; rows whose backward's heuristic runs one program per multiprocessor (its candidates then include
+    two per multiprocessor); and rows past the fused kernels' width."""
     if chunked:
         monkeypatch.setattr(norm, "MAX_FUSED", 4096)  # 5000 columns take the chunked kernels: 1 to 3 chunks
     gen = torch.Generator().manual_seed(4)
@@ -567,16 +569,49 @@ def test_every_cross_entropy_candidate_matches_the_reference(in_place, columns, 
     _each_candidate(monkeypatch, [cross_entropy._TUNED], run)
 
 
-def test_in_place_cross_entropy_tunes_on_scratch_gradients(triton_device, monkeypatch):
-    """In place (the fused linear cross-entropy's chunks), the gradient is written over the logits: tuning first
-    launches every candidate, which must not write over the logits the final launch reads."""
-    monkeypatch.setattr(autotune, "timer", _prefer(None))
+class _Recording:
+    """A kernel whose launches are recorded (their compile-time arguments) and then made."""
+
+    def __init__(self, kernel):
+        self.kernel, self.launches = kernel, []
+
+    def launch(self, grid, *args, **meta):
+        self.launches.append(meta)
+        return self.kernel.launch(grid, *args, **meta)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided rows"])
+def test_in_place_cross_entropy_tunes_on_a_copy_and_runs_its_choice(layout, triton_device, monkeypatch):
+    """In place (the fused linear cross-entropy's chunks), the gradient is written over the logits: tuning times the
+    candidates in place on a copy, so the logits the final launch reads are intact, also when they are a view into
+    a wider buffer (whose other columns nothing touches); the chosen launch is the one that runs, then and later."""
     x, t, ref_loss, ref_grad = _cross_entropy_case()
-    logits = x.to(triton_device, torch.float32)
+    target = cross_entropy._candidates(8192, 256, 2)[2]
+    monkeypatch.setattr(autotune, "timer", _prefer(target))
+    recording = _Recording(cross_entropy._CHUNKED)
+    monkeypatch.setattr(cross_entropy, "_CHUNKED", recording)
+    wide = torch.full((6, 6000 if layout == "strided rows" else 5000), 7.0, device=triton_device)
+    logits = wide[:, :5000]
+    logits.copy_(x)
     loss = cross_entropy.loss_and_grad(logits, t.to(triton_device), -100, 0.0, 0.0, 0.5, logits)
     check_close("loss", loss, ref_loss, torch.float32)
     check_close("grad", logits, ref_grad, torch.float32)
+    assert bool((wide[:, 5000:] == 7.0).all())
     [entry] = autotune.entries()
-    assert entry["key"] == "cross_entropy.launch float32 block_v=8192,rows=256,grad=1"
-    assert entry["config"] != entry["timings"][0]["config"] and len(entry["timings"]) == 6
-    assert cross_entropy._TUNED.lookup(logits.device, logits.dtype, 6, 5000, 1) == entry["config"]
+    assert entry["key"] == "cross_entropy.launch float32 block_v=8192,rows=256,grad=2"
+    assert entry["config"] == target and len(entry["timings"]) == 6
+
+    def last_launch():
+        return recording.launches[-1]["BLOCK"], recording.launches[-1]["num_warps"]
+
+    assert last_launch() == (target["BLOCK"], target["num_warps"])  # the tuning call's final launch
+    recording.launches.clear()
+    again = x.to(triton_device, torch.float32)
+    loss = cross_entropy.loss_and_grad(again, t.to(triton_device), -100, 0.0, 0.0, 0.5, again)  # a later call
+    check_close("grad, later call", again, ref_grad, torch.float32)
+    assert len(recording.launches) == 1 and last_launch() == (target["BLOCK"], target["num_warps"])
+    assert len(autotune.entries()) == 1
+    # a gradient in its own buffer is a bucket of its own, timed as it runs
+    cross_entropy.loss_and_grad(x.to(triton_device, torch.float32), t.to(triton_device), -100, 0.0, 0.0, 0.5,
+                                torch.empty(6, 5000, device=triton_device))
+    assert sorted(e["key"][-6:] for e in autotune.entries()) == ["grad=1", "grad=2"]

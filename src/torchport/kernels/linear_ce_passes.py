@@ -15,7 +15,8 @@ per chunk after the first, which cuBLAS mostly hides, and one rounding per chunk
 passes' relative error at 8192 x 4096 -> 128256 with 8 chunks, H100; within 3x the error of one rounding in the
 tests). 8192 x 4096 -> 128256 in bf16, fwd + bwd on H100s: 39.7-42.5 ms against the two passes' 54.3-56.3
 (``benchmarks/RESULTS.md``). float16 keeps the two passes: ``scale · dlogits`` stored in float16 underflows for a
-mean over many tokens.
+mean over many tokens. The first call of a chunk shape on a machine also times the kernel's launches in place on a
+copy of the chunk (:mod:`.triton.cross_entropy`), beside the tuner's 256 MiB buffer: once, outside the workspace.
 
 **Two passes** (every other case: ``reduction="none"``, a frozen head, float16, more tokens than
 ``MAX_ROW_CHUNKS`` chunks hold, or a whole-row workspace of 0), each gradient rounded once:

@@ -28,8 +28,8 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
 
 These are the heuristics. The launch is timed once per shape bucket on the device itself (:mod:`.autotune`,
 ``cross_entropy.launch``; both kernels among the candidates of short rows), because cards differ: an H200 runs
-programs per row 10-23% faster than the persistent grid at 128256 columns, and other launches than the heuristics
-9-14% faster at 256, 1024 and 4096 columns (kernel alone).
+programs per row in 10-23% less time than the persistent grid at 128256 columns, and other launches than the
+heuristics in 9-14% less at 256, 1024 and 4096 columns (kernel alone).
 
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
@@ -44,6 +44,7 @@ CUDA graph of the op measured 22 launches and 25 µs more at 8192 x 8192 when th
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -220,25 +221,39 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
 
 
 # The launch is timed per device: the cards disagree. At 128256 bf16 columns the H100 ran the persistent grid (the
-# heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; an H200 ran programs per row of 4-8
-# warps fastest, 1.668 against 1.853 ms at 8192 rows, and at short rows other shapes of program than the heuristic's:
-# 1024 columns one row of one warp, 19.0 against 22.2 us; 4096 columns the chunked kernel, 55.8 against 62.8 us.
-# benchmarks/RESULTS.md, "issue 23 item 3 on an H200".
+# heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; on an H200 (kernel alone, in place)
+# programs per row of 8 warps took 1.668 against 1.853 ms at 8192 rows, and at short rows other shapes of program
+# than the heuristic's were faster: 1024 columns one row of one warp, 19.0 against 22.2 us; 4096 columns the chunked
+# kernel, 55.8 against 62.8 us. benchmarks/RESULTS.md, "issue 23 item 3 on an H200".
 _KIND_ROWS, _KIND_CHUNKED = 0, 1  # a configuration's "kind"
+_NO_GRAD, _NEW_GRAD, _GRAD_OVER_LOGITS = 0, 1, 2  # the bucket's "grad": the gradient not wanted, in its own buffer,
+# or written over the logits (timed that way: the stores then hit the lines the loads just brought in)
 
 
 def _to_config(launch: Launch) -> autotune.Config:
+    """A launch as the tuner's configuration (every candidate walks a row's second pass backwards: no field)."""
     if launch.kind == "rows":
         return {"kind": _KIND_ROWS, "BLOCK": launch.block, "num_warps": launch.warps}
     return {"kind": _KIND_CHUNKED, "BLOCK": launch.block, "num_warps": launch.warps, "per_sm": launch.per_sm,
             "evict": int(launch.evict), "prefetch": int(launch.prefetch)}
 
 
+_LAUNCHES: dict[int, tuple[autotune.Config, Launch]] = {}  # id(config) -> (config, its launch): no object per call
+
+
 def _from_config(config: autotune.Config) -> Launch:
+    kept = _LAUNCHES.get(id(config))
+    if kept is not None and kept[0] is config:
+        return kept[1]
     if config["kind"] == _KIND_ROWS:
-        return Launch("rows", config["BLOCK"], config["num_warps"])
-    return Launch("chunked", config["BLOCK"], config["num_warps"], config["per_sm"], evict=bool(config["evict"]),
-                  prefetch=bool(config["prefetch"]))
+        launch = Launch("rows", config["BLOCK"], config["num_warps"])
+    else:
+        launch = Launch("chunked", config["BLOCK"], config["num_warps"], config["per_sm"],
+                        evict=bool(config["evict"]), prefetch=bool(config["prefetch"]))
+    if len(_LAUNCHES) >= 1024:
+        _LAUNCHES.clear()
+    _LAUNCHES[id(config)] = (config, launch)  # the tuner hands out the same dict for a bucket's sizes
+    return launch
 
 
 def _bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
@@ -248,8 +263,9 @@ def _bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
 def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
     """The heuristic first. Rows held whole (up to ``_ROW_MAX``): fewer rows or warps per program, twice the warps,
     and the chunked kernel over one or two chunks. Longer rows: programs per row of 4-16 warps with and without
-    the eviction hints, and the persistent grid with its loads ahead. Chunks never wider than the row."""
-    heuristic = launch_for(rows, width, 2, 0)
+    the eviction hints, and the persistent grid with its loads ahead. Chunks never wider than ``width``, the row
+    length rounded up to a power of two."""
+    heuristic = launch_for(rows, width, 2, 0)  # the heuristic depends on the width alone
     if heuristic.kind == "rows":
         m = heuristic.block
         others = [Launch("rows", max(1, m // 4), 1), Launch("rows", max(1, m // 2), 2),
@@ -268,27 +284,39 @@ def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
 _TUNED = autotune.Tunable("cross_entropy.launch", ("block_v", "rows", "grad"), _bucket, _candidates)
 
 
-def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Any, want_grad: bool) -> Launch:
-    """The tuner's launch for these sizes, timed on the first call of a shape bucket. ``run(launch, out)`` launches
-    once with the gradient written to ``out``; while timing, a gradient that would overwrite the logits goes to a
-    scratch buffer instead (allocated once, on the first candidate: out of memory there leaves the heuristic, which
-    the tuner then keeps)."""
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the bytes ``a`` and ``b`` span intersect."""
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a0 < b1 and b0 < a1
+
+
+def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Callable[[Launch, torch.Tensor, torch.Tensor], None],
+                  want_grad: bool) -> Launch:
+    """The tuner's launch for these sizes, timed on the first call of a shape bucket. ``run(launch, x, out)``
+    launches once on logits ``x`` with the gradient written to ``out``. When the gradient goes over the logits,
+    candidates are timed in place on a copy of the logits (made once; the logits the final launch reads stay
+    intact), so the first call of such a bucket holds one more tensor of the logits' size, besides the tuner's own
+    buffer for clearing L2. Out of memory there leaves the heuristic, which the tuner then keeps for the process."""
     n, v = logits.shape
-    sizes = (n, v, int(want_grad))
+    over = want_grad and _overlap(dx, logits)
+    sizes = (n, v, _GRAD_OVER_LOGITS if over else _NEW_GRAD if want_grad else _NO_GRAD)
     config = _TUNED.lookup(logits.device, logits.dtype, *sizes)
     if config is None:
-        overlaps = want_grad and dx.untyped_storage().data_ptr() == logits.untyped_storage().data_ptr()
-        scratch: list[torch.Tensor] = []
+        copy: list[torch.Tensor] = []
 
-        def time_one(config: autotune.Config) -> None:
-            out = dx
-            if overlaps:
-                if not scratch:
-                    scratch.append(torch.empty(logits.shape, dtype=dx.dtype, device=dx.device))
-                out = scratch[0]
-            run(_from_config(config), out)
+        def launch_one(config: autotune.Config) -> None:
+            if not over:
+                run(_from_config(config), logits, dx)
+                return
+            if not copy:
+                copy.append(logits.clone())
+            run(_from_config(config), copy[0], copy[0])
 
-        config = _TUNED.tune(logits.device, logits.dtype, sizes, time_one)
+        config = _TUNED.tune(logits.device, logits.dtype, sizes, launch_one)
     return _from_config(config)
 
 
@@ -317,8 +345,8 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
     want_grad = grad_out is not None
     dx = grad_out if grad_out is not None else logits
 
-    def run(plan: Launch, out: torch.Tensor) -> None:
-        args = (logits, out, target, loss, grad_scale, logits.stride(0), out.stride(0), n, v, int(ignore_index),
+    def run(plan: Launch, x: torch.Tensor, out: torch.Tensor) -> None:
+        args = (x, out, target, loss, grad_scale, x.stride(0), out.stride(0), n, v, int(ignore_index),
                 float(label_smoothing), float(z_loss))
         if plan.kind == "rows":
             _ROWS.launch((cdiv(n, plan.block),), *args, WANT_GRAD=want_grad, BLOCK_M=plan.block,
@@ -330,7 +358,7 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                             KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
                             PREFETCH=plan.prefetch, num_warps=plan.warps)
 
-    run(launch or _tuned_launch(logits, dx, run, want_grad), dx)
+    run(launch or _tuned_launch(logits, dx, run, want_grad), logits, dx)
     return loss
 
 

@@ -13,7 +13,8 @@ __all__ = ["BACKWARD", "FORWARD"]
 # to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
 # list is the hand-tuned heuristic, used as it is where nothing can be timed. For the one-kernel backwards, programs
 # per multiprocessor only go down from the heuristic, or from one to two: the weight-gradient partial sums (programs x
-# n x 4 bytes) never grow past the heuristic's size, or 2 x SMs x 8192 x 4 bytes (8.25 MiB on a 132-SM card).
+# n x 4 bytes per parameter) never grow past the heuristic's size, or 2 x SMs x 8192 x 4 bytes (8.25 MiB on a
+# 132-SM card).
 _ROWS = (256, 65536)  # row-count buckets: 256, 1024, 4096, 16384, 65536 and more
 _MAX_WARPS = 32
 
