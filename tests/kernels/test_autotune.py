@@ -24,7 +24,7 @@ from torchport.kernels.glu import geglu_reference, swiglu_reference
 from torchport.kernels.layer_norm import layer_norm_reference
 from torchport.kernels.rms_norm import rms_norm_reference
 from torchport.kernels.rope import rope_reference
-from torchport.kernels.triton import autotune, cross_entropy, glu, next_power_of_2, norm, rope
+from torchport.kernels.triton import autotune, cross_entropy, cross_entropy_tuning, glu, next_power_of_2, norm, rope
 
 from kernel_cases import call, check_close, gradients, leaf
 
@@ -566,7 +566,7 @@ def test_every_cross_entropy_candidate_matches_the_reference(in_place, columns, 
             if want_grad:
                 check_close("grad", grad, ref_grad, torch.float32)
 
-    _each_candidate(monkeypatch, [cross_entropy._TUNED], run)
+    _each_candidate(monkeypatch, [cross_entropy_tuning._TUNED], run)
 
 
 class _Recording:
@@ -586,7 +586,7 @@ def test_in_place_cross_entropy_tunes_on_a_copy_and_runs_its_choice(layout, trit
     candidates in place on a copy, so the logits the final launch reads are intact, also when they are a view into
     a wider buffer (whose other columns nothing touches); the chosen launch is the one that runs, then and later."""
     x, t, ref_loss, ref_grad = _cross_entropy_case()
-    target = cross_entropy._candidates(8192, 256, 2)[2]
+    target = cross_entropy_tuning._candidates(8192, 256, 2)[2]
     monkeypatch.setattr(autotune, "timer", _prefer(target))
     recording = _Recording(cross_entropy._CHUNKED)
     monkeypatch.setattr(cross_entropy, "_CHUNKED", recording)

@@ -26,7 +26,7 @@ Two kernels, by row length (launches chosen from ``benchmarks/bench_ce_variants.
   Splitting a row over programs that hold it in registers and exchange their statistics through memory moves the
   least bytes but measured 46–63% (notes in ``benchmarks/KERNELS_NOTES.md``).
 
-These are the heuristics. The launch is timed once per shape bucket on the device itself (:mod:`.autotune`,
+These are the heuristics. The launch is timed once per shape bucket on the device itself (:mod:`.cross_entropy_tuning`,
 ``cross_entropy.launch``; both kernels among the candidates of short rows), because cards differ: an H200 runs
 programs per row in 10-23% less time than the persistent grid at 128256 columns, and other launches than the
 heuristics in 9-14% less at 256, 1024 and 4096 columns (kernel alone).
@@ -43,8 +43,6 @@ CUDA graph of the op measured 22 launches and 25 µs more at 8192 x 8192 when th
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,16 +50,13 @@ import triton
 import triton.language as tl
 
 from .. import registry
-from . import autotune, cdiv, multiprocessor_count, next_power_of_2
+from . import cdiv, multiprocessor_count, next_power_of_2
+from .cross_entropy_tuning import Launch, launch_for, tuned_launch
 from .launch import Kernel
 from .loss_reduce import mean_scale, reduce_rows, scale_rows
 
 __all__ = ["Launch", "cross_entropy", "launch_for", "loss_and_grad"]
 
-_ROW_MAX = 4096  # columns a program holds in registers; wider rows measured faster in the chunked kernel
-_BLOCK = 8192  # columns per step of the chunked kernel: 16 KiB of bf16, 32 KiB of float32 in registers
-_EIGHT_WARPS_MAX = 32768  # rows up to this width: a program of 8 warps per row; up to the next, of 16 warps
-_ONE_ROW_PER_PROGRAM_MAX = 65536  # wider rows: a persistent grid, one program of 32 warps per multiprocessor
 
 
 @triton.jit
@@ -183,141 +178,7 @@ def _chunked_kernel(
                              eviction_policy=DROP)
 
 
-@dataclasses.dataclass(frozen=True)
-class Launch:
-    """How :func:`loss_and_grad` launches: ``rows`` (``block`` = rows per program, each whole in registers) or
-    ``chunked`` (``block`` = columns per step, ``per_sm`` programs per multiprocessor, 0 for one per row;
-    ``prefetch``: each walk loads a chunk ahead)."""
-
-    kind: str
-    block: int
-    warps: int
-    per_sm: int = 0
-    reverse: bool = True
-    evict: bool = True
-    prefetch: bool = False
-
-
 _ROWS, _CHUNKED = Kernel(_rows_kernel), Kernel(_chunked_kernel)
-
-
-def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
-    """The hand-chosen launch for ``n`` rows of ``v`` logits of ``element_size`` bytes: what :func:`loss_and_grad`
-    runs where nothing is timed, and the first candidate the tuner times for rows longer than ``_ROW_MAX``."""
-    width = next_power_of_2(max(v, 1))
-    if width <= _ROW_MAX:
-        # 2048 values (4 warps) per program: measured best at 256 and 4096 columns (8192 rows, H100)
-        return Launch("rows", max(1, 2048 // width), 4)
-    if width <= _EIGHT_WARPS_MAX:
-        # 8 warps: 8192 columns 90.4% of the copy ceiling against 79.9% with 16 (16384: 96.0 / 89.8%; 32000:
-        # 93.2 / 91.6%; H100, 8192 rows; the H200 showed the same order)
-        return Launch("chunked", 4096 if width <= 8192 else _BLOCK, 8, 0)
-    if width > _ONE_ROW_PER_PROGRAM_MAX:
-        # one program of 32 warps per multiprocessor, chunks of 32768 columns loaded ahead: 132 rows in flight
-        # (34 MB at 128256 bf16 columns) fit in L2 for the second walk. H100, one run: 128256 columns 1.672 ms
-        # (83.8% of the copy ceiling) against 1.901 ms (73.7%) for a program per row; 262144: 79.0 / 71.5%
-        return Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)
-    return Launch("chunked", min(_BLOCK, width), 16, 0)
-
-
-# The launch is timed per device: the cards disagree. At 128256 bf16 columns the H100 ran the persistent grid (the
-# heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; on an H200 (kernel alone, in place)
-# programs per row of 8 warps took 1.668 against 1.853 ms at 8192 rows, and at short rows other shapes of program
-# than the heuristic's were faster: 1024 columns one row of one warp, 19.0 against 22.2 us; 4096 columns the chunked
-# kernel, 55.8 against 62.8 us. benchmarks/RESULTS.md, "issue 23 item 3 on an H200".
-_KIND_ROWS, _KIND_CHUNKED = 0, 1  # a configuration's "kind"
-_NO_GRAD, _NEW_GRAD, _GRAD_OVER_LOGITS = 0, 1, 2  # the bucket's "grad": the gradient not wanted, in its own buffer,
-# or written over the logits (timed that way: the stores then hit the lines the loads just brought in)
-
-
-def _to_config(launch: Launch) -> autotune.Config:
-    """A launch as the tuner's configuration (every candidate walks a row's second pass backwards: no field)."""
-    if launch.kind == "rows":
-        return {"kind": _KIND_ROWS, "BLOCK": launch.block, "num_warps": launch.warps}
-    return {"kind": _KIND_CHUNKED, "BLOCK": launch.block, "num_warps": launch.warps, "per_sm": launch.per_sm,
-            "evict": int(launch.evict), "prefetch": int(launch.prefetch)}
-
-
-_LAUNCHES: dict[int, tuple[autotune.Config, Launch]] = {}  # id(config) -> (config, its launch): no object per call
-
-
-def _from_config(config: autotune.Config) -> Launch:
-    kept = _LAUNCHES.get(id(config))
-    if kept is not None and kept[0] is config:
-        return kept[1]
-    if config["kind"] == _KIND_ROWS:
-        launch = Launch("rows", config["BLOCK"], config["num_warps"])
-    else:
-        launch = Launch("chunked", config["BLOCK"], config["num_warps"], config["per_sm"],
-                        evict=bool(config["evict"]), prefetch=bool(config["prefetch"]))
-    if len(_LAUNCHES) >= 1024:
-        _LAUNCHES.clear()
-    _LAUNCHES[id(config)] = (config, launch)  # the tuner hands out the same dict for a bucket's sizes
-    return launch
-
-
-def _bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
-    return next_power_of_2(v), autotune.coarse(n, 256, 65536), grad
-
-
-def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
-    """The heuristic first. Rows held whole (up to ``_ROW_MAX``): fewer rows or warps per program, twice the warps,
-    and the chunked kernel over one or two chunks. Longer rows: programs per row of 4-16 warps with and without
-    the eviction hints, and the persistent grid with its loads ahead. Chunks never wider than ``width``, the row
-    length rounded up to a power of two."""
-    heuristic = launch_for(rows, width, 2, 0)  # the heuristic depends on the width alone
-    if heuristic.kind == "rows":
-        m = heuristic.block
-        others = [Launch("rows", max(1, m // 4), 1), Launch("rows", max(1, m // 2), 2),
-                  Launch("rows", max(1, m // 2), 4), Launch("rows", m, 8), Launch("chunked", 4096, 4, 0)]
-    else:
-        others = [Launch("chunked", 8192, 8, 0, evict=False), Launch("chunked", 8192, 8, 0),
-                  Launch("chunked", 16384, 16, 0, evict=False), Launch("chunked", 4096, 4, 0),
-                  Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
-    configs = [_to_config(heuristic)] + [_to_config(c) for c in others]
-    for config in configs:
-        if config["kind"] == _KIND_CHUNKED:
-            config["BLOCK"] = min(config["BLOCK"], width)
-    return autotune.distinct(configs)[:6]
-
-
-_TUNED = autotune.Tunable("cross_entropy.launch", ("block_v", "rows", "grad"), _bucket, _candidates)
-
-
-def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the bytes ``a`` and ``b`` span intersect."""
-    def span(t: torch.Tensor) -> tuple[int, int]:
-        extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
-        return t.data_ptr(), t.data_ptr() + extent * t.element_size()
-
-    (a0, a1), (b0, b1) = span(a), span(b)
-    return a0 < b1 and b0 < a1
-
-
-def _tuned_launch(logits: torch.Tensor, dx: torch.Tensor, run: Callable[[Launch, torch.Tensor, torch.Tensor], None],
-                  want_grad: bool) -> Launch:
-    """The tuner's launch for these sizes, timed on the first call of a shape bucket. ``run(launch, x, out)``
-    launches once on logits ``x`` with the gradient written to ``out``. When the gradient goes over the logits,
-    candidates are timed in place on a copy of the logits (made once; the logits the final launch reads stay
-    intact), so the first call of such a bucket holds one more tensor of the logits' size, besides the tuner's own
-    buffer for clearing L2. Out of memory there leaves the heuristic, which the tuner then keeps for the process."""
-    n, v = logits.shape
-    over = want_grad and _overlap(dx, logits)
-    sizes = (n, v, _GRAD_OVER_LOGITS if over else _NEW_GRAD if want_grad else _NO_GRAD)
-    config = _TUNED.lookup(logits.device, logits.dtype, *sizes)
-    if config is None:
-        copy: list[torch.Tensor] = []
-
-        def launch_one(config: autotune.Config) -> None:
-            if not over:
-                run(_from_config(config), logits, dx)
-                return
-            if not copy:
-                copy.append(logits.clone())
-            run(_from_config(config), copy[0], copy[0])
-
-        config = _TUNED.tune(logits.device, logits.dtype, sizes, launch_one)
-    return _from_config(config)
 
 
 def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
@@ -358,7 +219,7 @@ def loss_and_grad(logits: torch.Tensor, target: torch.Tensor, ignore_index: int,
                             KEEP="evict_last" if plan.evict else "", DROP="evict_first" if plan.evict else "",
                             PREFETCH=plan.prefetch, num_warps=plan.warps)
 
-    run(launch or _tuned_launch(logits, dx, run, want_grad), logits, dx)
+    run(launch or tuned_launch(logits, dx, run, want_grad), logits, dx)
     return loss
 
 
