@@ -599,7 +599,8 @@ def test_in_place_cross_entropy_tunes_on_a_copy_and_runs_its_choice(layout, trit
     assert bool((wide[:, 5000:] == 7.0).all())
     [entry] = autotune.entries()
     assert entry["key"] == "cross_entropy.launch float32 block_v=8192,rows=256,grad=2"
-    assert entry["config"] == target and len(entry["timings"]) == 6
+    assert entry["config"] == target
+    assert len(entry["timings"]) == len(cross_entropy_tuning._candidates(8192, 256, 2))  # every candidate timed
 
     def last_launch():
         return recording.launches[-1]["BLOCK"], recording.launches[-1]["num_warps"]

@@ -33,9 +33,11 @@ heuristics in 9-14% less at 256, 1024 and 4096 columns (kernel alone).
 
 Arithmetic per logit is kept to a few instructions, because the kernels were bound by it, not by bytes: an
 exponential is one multiply-add and ``ex2``, the scale is folded into per-row factors (a gradient is then one more
-multiply-add and a select), the target's logit is loaded rather than picked out by a reduction, and the row's sum is
-taken only for label smoothing. On an H200, kernel alone, 8192 rows bf16, that took 8192 columns from 66.9% to
-86.3% of the copy ceiling, 16384 from 72.4% to 88.0%, 131072 from 66.8% to 71.3% (RESULTS.md).
+multiply-add and a select), the target's column is found by a 32-bit compare (a 64-bit one is two instructions and,
+written against the chunk's offset, cost the chunked kernel a third more registers), the target's logit is loaded
+rather than picked out by a reduction, and the row's sum is taken only for label smoothing. On an H200, kernel
+alone, 8192 rows bf16, best tuner candidate: 8192 columns from 66.9% to 88.5% of the copy ceiling, 16384 from 72.4%
+to 95.8%, 131072 from 66.8% to 81.4% (RESULTS.md, "the cross-entropy bound by its instructions").
 
 Both write ``d loss / d logits = scale · (softmax·(1 + 2·z·lse) − (1−ε)·onehot − ε/V)`` where ``scale`` (a
 float32 on the device: 1/non-ignored count for a mean, so no count is read on the host) is the reduction's. Ignored
@@ -112,7 +114,9 @@ def _rows_kernel(
         spread = scale * smoothing / V
         hit = scale * (1.0 - smoothing)
         g = e * factor[:, None] - spread[:, None]
-        g = tl.where(cols[None, :] == target[:, None], g - hit[:, None], g)
+        # in 32 bits (a 64-bit compare is two instructions a logit); rows without a class never match
+        target32 = tl.where(valid, target, -1).to(tl.int32)
+        g = tl.where(cols[None, :] == target32[:, None], g - hit[:, None], g)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], g.to(DX.dtype.element_ty), mask=ok)
 
 
@@ -182,6 +186,7 @@ def _chunked_kernel(
                 spread = scale * smoothing / V
                 hit = scale * (1.0 - smoothing)
                 lse2 = lse * _LOG2E
+                target32 = target.to(tl.int32)  # a class (< V): the chunk's columns compare in 32 bits
                 if PREFETCH:
                     ahead = _chunk(x_row, chunks - 1 if REVERSE else 0, cols, V, 0.0, DROP, BLOCK)
                 for i in range(chunks):
@@ -193,7 +198,7 @@ def _chunked_kernel(
                         raw = _chunk(x_row, index, cols, V, 0.0, DROP, BLOCK)
                     offs = index * BLOCK + cols
                     g = tl.exp2(raw.to(tl.float32) * _LOG2E - lse2) * factor - spread
-                    g = tl.where(offs == target, g - hit, g)
+                    g = tl.where(offs == target32, g - hit, g)
                     tl.store(dx_row + offs, g.to(DX.dtype.element_ty), mask=offs < V, eviction_policy=DROP)
 
 

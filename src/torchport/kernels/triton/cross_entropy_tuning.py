@@ -55,7 +55,9 @@ def launch_for(n: int, v: int, element_size: int, sms: int) -> Launch:
 # heuristic) fastest, 1.672 against 1.901 ms for a program per row of 16 warps; on an H200 (kernel alone, in place)
 # programs per row of 8 warps took 1.668 against 1.853 ms at 8192 rows, and at short rows other shapes of program
 # than the heuristic's were faster: 1024 columns one row of one warp, 19.0 against 22.2 us; 4096 columns the chunked
-# kernel, 55.8 against 62.8 us. benchmarks/RESULTS.md, "issue 23 item 3 on an H200".
+# kernel, 55.8 against 62.8 us. benchmarks/RESULTS.md, "issue 23 item 3 on an H200". With fewer instructions per logit
+# (RESULTS.md, "the cross-entropy bound by its instructions"), an H200 ran 64 logits a thread fastest at 16384-65536
+# columns and the persistent grid at 131072 and up; the eviction hints off won nowhere and are no longer timed.
 _KIND_ROWS, _KIND_CHUNKED = 0, 1  # a configuration's "kind"
 _NO_GRAD, _NEW_GRAD, _GRAD_OVER_LOGITS = 0, 1, 2  # the bucket's "grad": the gradient not wanted, in its own buffer,
 # or written over the logits (timed that way: the stores then hit the lines the loads just brought in)
@@ -82,8 +84,8 @@ def _bucket(n: int, v: int, grad: int) -> tuple[int, int, int]:
 
 def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
     """The heuristic first. Rows held whole (up to ``_ROW_MAX``): fewer rows or warps per program, twice the warps,
-    and the chunked kernel over one or two chunks. Longer rows: programs per row of 4-16 warps with and without
-    the eviction hints, and the persistent grid with its loads ahead. Chunks never wider than ``width``, the row
+    and the chunked kernel over one or two chunks. Longer rows: programs per row of 4-8 warps over chunks of 32 or
+    64 logits a thread, and the persistent grid with its loads ahead. Chunks never wider than ``width``, the row
     length rounded up to a power of two."""
     heuristic = launch_for(rows, width, 2, 0)  # the heuristic depends on the width alone
     if heuristic.kind == "rows":
@@ -91,9 +93,9 @@ def _candidates(width: int, rows: int, grad: int) -> list[autotune.Config]:
         others = [Launch("rows", max(1, m // 4), 1), Launch("rows", max(1, m // 2), 2),
                   Launch("rows", max(1, m // 2), 4), Launch("rows", m, 8), Launch("chunked", 4096, 4, 0)]
     else:
-        others = [Launch("chunked", 8192, 8, 0, evict=False), Launch("chunked", 8192, 8, 0),
-                  Launch("chunked", 16384, 16, 0, evict=False), Launch("chunked", 4096, 4, 0),
-                  Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
+        # 64 logits a thread (8192 columns over 4 warps, 16384 over 8): fastest at 16384-65536 columns on an H200
+        others = [Launch("chunked", 8192, 4, 0), Launch("chunked", 16384, 8, 0), Launch("chunked", 8192, 8, 0),
+                  Launch("chunked", 4096, 4, 0), Launch("chunked", 4 * _BLOCK, 32, 1, prefetch=True)]
     configs = [_to_config(heuristic)] + [_to_config(c) for c in others]
     for config in configs:
         if config["kind"] == _KIND_CHUNKED:
