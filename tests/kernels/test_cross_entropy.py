@@ -456,6 +456,34 @@ def test_every_launch_against_float64(device, in_place):
                                        msg=lambda m: f"{case}, {name}: gradient: {m}")
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter's -inf - -inf
+def test_every_launch_gives_ignored_rows_zeros_whatever_their_logits(device):
+    """An ignored row's gradient is zero even where its logits would make the softmax NaN (a NaN logit, or a row all
+    -inf: padding positions of a masked vocabulary), in every launch kind, and the other rows are untouched."""
+    if not _triton_runs(device):
+        pytest.skip(f"the Triton kernel runs on cuda, or on cpu under TRITON_INTERPRET=1; not on {device.type}")
+    from torchport.kernels.triton import cross_entropy as kernel
+
+    for v, launches in ((5000, _launches()), (300, {"rows, whole": kernel.Launch("rows", 2, 4)})):
+        x64, t = make(6, v, ignored="some")
+        t[[1, 4]] = IGNORE
+        x64[1, 7] = float("nan")
+        x64[4] = float("-inf")
+        ref_x = x64.clone()
+        ref_x[[1, 4]] = 0.0  # what an ignored row holds does not matter to the others
+        ref_x.requires_grad_()
+        ref = expected(ref_x, t, 0.0, 0.0, "none")
+        ref.sum().backward()
+        for name, launch in launches.items():
+            logits = x64.float().to(device)
+            grad = torch.full_like(logits, 5.0)
+            out = kernel.loss_and_grad(logits, t.to(device), IGNORE, 0.0, 0.0, 1.0, grad, launch)
+            torch.testing.assert_close(out.double().cpu(), ref.detach(), rtol=1e-5, atol=1e-5,
+                                       msg=lambda m: f"{v} columns, {name}: loss: {m}")
+            torch.testing.assert_close(grad.double().cpu(), ref_x.grad, rtol=1e-5, atol=1e-6,
+                                       msg=lambda m: f"{v} columns, {name}: gradient: {m}")
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 def test_each_implementation_makes_a_bad_target_nan_without_reading_past_the_row(reduction, device, impl):
     """Where no host read checks the targets (a compiled or captured graph), each implementation checks them itself:

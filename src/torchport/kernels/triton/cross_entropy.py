@@ -107,9 +107,10 @@ def _rows_kernel(
     loss = _row_loss(lse, x_t, total, V, smoothing, z_loss)
     tl.store(LOSS + rows64, tl.where(valid, loss, tl.where(kept, float("nan"), 0.0)), mask=row_ok)
     if WANT_GRAD:
-        # per row: the softmax's factor, the smoothing's term and the target's one, each times the scale (0 for
-        # rows without a gradient), so that a logit costs one multiply-add and a select
-        scale = tl.where(valid, tl.load(SCALE), 0.0)
+        # per row: the softmax's factor, the smoothing's term and the target's one, each times the scale, so that
+        # a logit costs one multiply-add and two selects; rows without a class get zeros whatever their logits
+        # hold (a NaN, or all -inf, makes e NaN)
+        scale = tl.load(SCALE)
         factor = scale * (1.0 + 2.0 * z_loss * lse) / d
         spread = scale * smoothing / V
         hit = scale * (1.0 - smoothing)
@@ -117,6 +118,7 @@ def _rows_kernel(
         # in 32 bits (a 64-bit compare is two instructions a logit); rows without a class never match
         target32 = tl.where(valid, target, -1).to(tl.int32)
         g = tl.where(cols[None, :] == target32[:, None], g - hit[:, None], g)
+        g = tl.where(valid[:, None], g, 0.0)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], g.to(DX.dtype.element_ty), mask=ok)
 
 
