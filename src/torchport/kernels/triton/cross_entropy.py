@@ -33,7 +33,8 @@ heuristics in 9-14% less at 256, 1024 and 4096 columns (kernel alone).
 
 Arithmetic per logit is kept to a few instructions, because the kernels were bound by it, not by bytes: an
 exponential is one multiply-add and ``ex2``, the scale is folded into per-row factors (a gradient is then one more
-multiply-add and a select), the target's column is found by a 32-bit compare (a 64-bit one is two instructions and,
+multiply-add and a select, and in the whole-row kernel a second select that keeps rows without a class at zero
+whatever their logits hold), the target's column is found by a 32-bit compare (a 64-bit one is two instructions and,
 written against the chunk's offset, cost the chunked kernel a third more registers), the target's logit is loaded
 rather than picked out by a reduction, and the row's sum is taken only for label smoothing. On an H200, kernel
 alone, 8192 rows bf16, best tuner candidate: 8192 columns from 66.9% to 88.5% of the copy ceiling, 16384 from 72.4%
