@@ -569,6 +569,21 @@ def test_every_cross_entropy_candidate_matches_the_reference(in_place, columns, 
     _each_candidate(monkeypatch, [cross_entropy_tuning._TUNED], run)
 
 
+def test_cross_entropy_candidates_start_with_the_heuristic_and_fit_the_row():
+    """Every bucket's candidates: the heuristic first (what runs where nothing is timed), at most six, no repeats,
+    and no chunk wider than the row rounded up to a power of two."""
+    for width in (256, 1024, 4096, 8192, 16384, 32768, 65536, 131072, 262144):
+        for rows in (256, 16384):
+            for grad in (0, 1, 2):
+                configs = cross_entropy_tuning._candidates(width, rows, grad)
+                heuristic = cross_entropy_tuning._to_config(cross_entropy_tuning.launch_for(rows, width, 2, 0))
+                if heuristic["kind"] == 1:
+                    heuristic["BLOCK"] = min(heuristic["BLOCK"], width)
+                assert configs[0] == heuristic, (width, rows, grad)
+                assert 2 <= len(configs) <= 6 and len(autotune.distinct(configs)) == len(configs), (width, configs)
+                assert all(c["kind"] == 0 or c["BLOCK"] <= width for c in configs), (width, configs)
+
+
 class _Recording:
     """A kernel whose launches are recorded (their compile-time arguments) and then made."""
 

@@ -93,14 +93,16 @@ def _rows_kernel(
     kept = (target != ignore_index) & row_ok
     valid = kept & (target >= 0) & (target < V)  # a class: the rows that get a loss and a gradient
     x = tl.load(X + rows64[:, None] * stride_x + cols[None, :], mask=ok, other=-float("inf")).to(tl.float32)
+    # the target's logit read again (the row's lines are on chip), not picked out of the registers by a reduction;
+    # before the reductions, whose barriers then order it ahead of any warp's gradient store over it (in place)
+    x_t = tl.load(X + rows64 * stride_x + tl.where(valid, target, 0), mask=valid, other=0.0).to(tl.float32)
     m = tl.max(x, axis=1)
     m = tl.where(row_ok, m, 0.0)  # rows past N hold only -inf
-    e = tl.exp2(x * _LOG2E - (m * _LOG2E)[:, None])  # one multiply-add and ex2 a logit
+    # one multiply-add and ex2 a logit (x · log2(e) overflows only for |x| > 2.3e38, past any trained model's logits)
+    e = tl.exp2(x * _LOG2E - (m * _LOG2E)[:, None])
     d = tl.sum(e, axis=1)
     d = tl.where(row_ok, d, 1.0)
     lse = m + tl.log(d)
-    # the target's logit read again (the row's lines are on chip), not picked out of the registers by a reduction
-    x_t = tl.load(X + rows64 * stride_x + tl.where(valid, target, 0), mask=valid, other=0.0).to(tl.float32)
     if smoothing != 0.0:  # the row sums only where label smoothing needs them
         total = tl.sum(tl.where(ok, x, 0.0), axis=1)
     else:
@@ -158,6 +160,8 @@ def _chunked_kernel(
                              mask=offs < V)
         else:
             # pass 1: running max m and running sum d of exp(x - m); the row sum for label smoothing
+            # the target's logit first: pass 1's reductions then order its read ahead of pass 2's stores (in place)
+            x_t = tl.load(x_row + target).to(tl.float32)
             m = -float("inf")
             d = 0.0
             total = 0.0
@@ -177,7 +181,6 @@ def _chunked_kernel(
                 if smoothing != 0.0:
                     total += tl.sum(tl.where(i * BLOCK + cols < V, x, 0.0), axis=0)
             lse = m + tl.log(d)
-            x_t = tl.load(x_row + target).to(tl.float32)
             loss = _row_loss(lse, x_t, total, V, smoothing, z_loss)
             tl.store(LOSS + row64, loss)
             if WANT_GRAD:
