@@ -310,6 +310,36 @@ def test_merged_layers_under_inference_mode(device, monkeypatch):
         assert calls == [256 + 64 + 64, 160 + 160]
 
 
+def test_layers_moved_inside_inference_mode_keep_counted_tensors_and_their_caches(device, monkeypatch):
+    """A quantised model emptied (or moved) and loaded inside ``torch.inference_mode`` holds normal tensors, not
+    inference tensors, which keep no count of in-place writes and so would make the merged weights and the launch
+    plans be built again at every call; an in-place load is still seen by the next call."""
+    if type(torch.empty(0, device=device)) is not torch.Tensor:
+        pytest.skip("the simulated NPU's tensor wrapper takes no views under inference_mode: a limit of the "
+                    "simulation (see test_merged_layers_under_inference_mode)")
+    merged, alone = _pair("int4", device)
+    state = merged.state_dict()
+    x = torch.randn(1, 256, device=device)
+    with torch.inference_mode():
+        model = copy.deepcopy(merged).to("meta").to_empty(device=device)
+        model.load_state_dict(state)
+        layers = quant.quantized_modules(model).values()
+        assert not any(t.is_inference() for layer in layers for t in layer.tensors().values())
+        assert _rel(model(x), alone(x)) <= TOLERANCE[torch.float32]
+        group = model.q_proj._group
+        kept = group.tensors()
+        assert not any(t.is_inference() for t in kept.values())
+        assert not any(t.is_inference() for layer in layers for t in layer.tensors().values())
+        calls = _count_calls(monkeypatch)
+        assert _rel(model(x), alone(x)) <= TOLERANCE[torch.float32]
+        assert group.tensors() is kept and calls == [256 + 64 + 64, 160 + 160]
+        # a state-dict load in place (other codes) is counted: the next call merges the new codes
+        other = quant.quantize(Layer().to(device), "int4")
+        model.load_state_dict(other.state_dict())
+        assert group.tensors() is not kept
+        assert _rel(model(x), other(x)) <= TOLERANCE[torch.float32]
+
+
 @torch.no_grad()
 def test_copies_offloaded_biases_and_deleted_models(device, monkeypatch):
     merged, alone = _pair("int8", device)

@@ -143,6 +143,13 @@ class QuantizedLinear(nn.Module):
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
 
     def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor], recurse: bool = True) -> QuantizedLinear:
+        # Inside torch.inference_mode, moved or emptied tensors would be inference tensors, which keep no count of
+        # in-place writes: every cache derived from them (launch plans, merged siblings, torch_npu's repacked
+        # weight) would then be made again at every call. Made as normal tensors, as quantize makes them.
+        with torch.inference_mode(False):
+            return self._move(fn)
+
+    def _move(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> QuantizedLinear:
         # nn.Module converts every floating buffer with fn, which would turn float8 codes or scales into the
         # target dtype. Learn where fn sends a tensor of the compute dtype, and move the codes there unconverted.
         probe = fn(torch.empty(0, dtype=self.dtype, device=self.scale.device))

@@ -178,12 +178,15 @@ class SiblingGroup:
             parts = [getattr(m, name) for m in self.members]
             base = _joined(parts)
             if base is None:
-                base = torch.cat([p.view(torch.uint8) if p.element_size() == 1 else p for p in parts])
-                base = base.view(parts[0].dtype)
-                start = 0
-                for m, p in zip(self.members, parts):
-                    m._buffers[name] = base[start:start + p.shape[0]]
-                    start += p.shape[0]
+                # normal tensors even inside torch.inference_mode (where the views of a tensor made there would be
+                # inference tensors): in-place writes to them are then counted, which the key above relies on
+                with torch.inference_mode(False):
+                    base = torch.cat([p.view(torch.uint8) if p.element_size() == 1 else p for p in parts])
+                    base = base.view(parts[0].dtype)
+                    start = 0
+                    for m, p in zip(self.members, parts):
+                        m._buffers[name] = base[start:start + p.shape[0]]
+                        start += p.shape[0]
             merged[name] = base
         if any(hasattr(first, name) for name in _PER_LAYER):
             reason = mergeable(self.members)
