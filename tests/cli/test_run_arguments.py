@@ -47,6 +47,17 @@ def test_the_program_gets_what_python_would_give_it(program: Path, run_python: R
     assert _argv(run_python, program, "-m", "torchport", "run", *words) == expected
 
 
+def test_the_device_flag_is_the_device_torchport_gives_the_program(program: Path, run_python: Runner) -> None:
+    """``--device`` is also what the program's own ``torchport.device()`` answers (which ``torchport.distributed.init``
+    uses), not the device detected: here the simulated NPU, which the program would otherwise get."""
+    (program / "where.py").write_text("import torchport\nprint(torchport.device())\n")
+    simulated = {"TORCHPORT_SIMULATE": "npu"}
+    detected = run_python("-m", "torchport", "run", "where.py", cwd=program, env=simulated)
+    assert detected.returncode == 0 and detected.stdout.split()[-1] == "npu:0", detected.stdout + detected.stderr
+    chosen = run_python("-m", "torchport", "run", "--device", "cpu", "where.py", cwd=program, env=simulated)
+    assert chosen.returncode == 0 and chosen.stdout.split()[-1] == "cpu", chosen.stdout + chosen.stderr
+
+
 def test_torchport_options_after_the_script_are_the_programs(program: Path, run_python: Runner) -> None:
     result = run_python("-m", "torchport", "run", "script.py", "--device", "nowhere", "--report", "-h", cwd=program)
     assert result.returncode == 0, result.stdout + result.stderr

@@ -602,7 +602,10 @@ def _model(name: str, device: torch.device) -> tuple[nn.Module, torch.Tensor]:
 
 
 @pytest.mark.parametrize("name", ["cnn", "mlp"])
-def test_runner_keeps_outputs_equal(device: torch.device, name: str) -> None:
+def test_runner_keeps_outputs_equal(device: torch.device, name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # cuDNN convolves in TF32 by default on CUDA, whose 10-bit inputs differ by ~1e-3 between the folded and the
+    # unfolded weights: the comparison is of the passes' float32 arithmetic
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
     model, x = _model(name, device)
     gm = trace(model, x)  # shapes recorded by ShapeProp on the device
     with torch.no_grad():

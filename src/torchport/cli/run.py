@@ -18,7 +18,8 @@ _CHILD_HOOK = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__fil
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--device", metavar="D", help="send CUDA calls to this device (default: the detected one)")
+    parser.add_argument("--device", metavar="D", help="run on this device: CUDA calls go there and "
+                        "torchport.device() answers it (default: the detected one)")
     parser.add_argument("--report", action="store_true",
                         help="at exit, print what was redirected and what cannot run on the device (stderr)")
     parser.add_argument("--mode", metavar="MODE", help="enable a torchport mode for the program's models before it "
@@ -127,6 +128,10 @@ def handle(args: argparse.Namespace) -> int:
         count_host_fallbacks(device)
     # Child processes (DataLoader workers, torch.multiprocessing, subprocess) get the same shim at start-up.
     os.environ["TORCHPORT_SHIM"] = str(device)
+    if args.device:
+        # the program's own questions (torchport.device(), torchport.distributed.init()) get the device the flag
+        # named, not the detected one: `--device cpu` on a GPU machine runs every rank on the CPU
+        os.environ["TORCHPORT_DEVICE"] = args.device
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHILD_HOOK, os.environ.get("PYTHONPATH")]))
     if mode is not None:
         from .. import modes
