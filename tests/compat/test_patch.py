@@ -268,6 +268,35 @@ def test_distributed_init_on_cpu_with_nccl_asked() -> None:
     assert result.stdout.split("\n")[:3] == ["gloo", "cpu gloo", "gloo [1.0, 1.0]"]
 
 
+def test_a_device_mesh_without_a_backend_starts_the_cpu_targets_group() -> None:
+    """``init_device_mesh("cuda", ...)`` starts the default group itself, with no backend named, through its own
+    binding of ``init_process_group``: torch would then pick the machine's accelerator backend (NCCL alone on a GPU
+    machine, which serves no CPU tensor). On the CPU target the group gets the CPU's backend; the recorder stands
+    where the GPU machine's default would differ, so the test is the same on every machine."""
+    result = _run("""
+        import os, socket
+        import torch.distributed as dist
+        from torch.distributed import device_mesh, distributed_c10d
+        seen = []
+        original = distributed_c10d.init_process_group
+        def record(backend=None, *args, **kwargs):
+            seen.append(backend)
+            return original(backend, *args, **kwargs)
+        dist.init_process_group = distributed_c10d.init_process_group = device_mesh.init_process_group = record
+        import torchport.compat
+        torchport.compat.patch("cpu")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        mesh = device_mesh.init_device_mesh("cuda", (1,))
+        print(seen, mesh.device_type, dist.get_backend())
+        dist.destroy_process_group()
+    """, LOCAL_RANK="0")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split("\n")[0] == "['gloo'] cpu gloo", result.stdout + result.stderr
+
+
 def test_integer_devices_land_on_the_target(shim: torch.device) -> None:
     # an int is a CUDA index to torch: torch.device(0) is the accelerator's device 0, an error on a host alone
     for made in (torch.ones(2).to(0), torch.ones(2).cuda(0), torch.ones(2, device=0), torch.zeros(1).new_ones(

@@ -170,6 +170,10 @@ def _distributed(target: Target, patcher: Patcher) -> None:
         return
 
     def map_backend(name: Any) -> Any:
+        if name is None and target.type == "cpu":
+            # no backend named: torch picks the present accelerator's (NCCL alone on a GPU machine, whose CPU
+            # tensors then have none), where the program runs on the CPU
+            return target.backend.dist_backend
         if not isinstance(name, str) or "nccl" not in name:
             return name
         target.recorder.record("dist.init_process_group(nccl)")
@@ -193,6 +197,16 @@ def _distributed(target: Target, patcher: Patcher) -> None:
         return call
 
     patcher.wrap(dist, "init_process_group", init_process_group)
+    # the modules that bound the function at their import (a device mesh starts the default group itself)
+    from torch.distributed import distributed_c10d
+
+    patcher.wrap(distributed_c10d, "init_process_group", init_process_group)
+    try:
+        from torch.distributed import device_mesh
+    except ImportError:  # a torch built without distributed support
+        pass
+    else:
+        patcher.wrap(device_mesh, "init_process_group", init_process_group)
 
     from torch.nn.parallel import DistributedDataParallel
 
