@@ -228,11 +228,14 @@ def test_triton_dequantize_matches_reference(device):
     _need_triton(device)
     from torchport.kernels.triton import lowbit
 
+    # 17 x 384: the small weight's tiles; 1030 x 2176: the wide 4-bit tiles (16 x 512), taken where they make 8
+    # programs per multiprocessor (the interpreter counts 8), with a last block of rows and of columns cut short
     for fmt in FORMATS:
-        spec, group, t, *_ = _case(fmt, 1, 17, 384, device, torch.bfloat16)
-        dense = lowbit.dequantize(t, fmt, group, torch.float32)
-        torch.testing.assert_close(dense.cpu(), spec.dequantize({n: v.cpu() for n, v in t.items()}, torch.float32),
-                                   rtol=1e-6, atol=0)
+        for n, k in ((17, 384), (1030, 2176)):
+            spec, group, t, *_ = _case(fmt, 1, n, k, device, torch.bfloat16)
+            dense = lowbit.dequantize(t, fmt, group, torch.float32)
+            expected = spec.dequantize({name: v.cpu() for name, v in t.items()}, torch.float32)
+            torch.testing.assert_close(dense.cpu(), expected, rtol=1e-6, atol=0, msg=f"{fmt} {n} x {k}")
 
 
 @pytest.mark.parametrize("with_bias", [False, True], ids=["no_bias", "bias"])

@@ -433,13 +433,16 @@ def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[i
     k = q.shape[1] * (1 if fmt in PER_CHANNEL else 2)
     q, scale = _as_bytes(fmt, q, scale)
     block_n = 16
-    # A whole number of groups per program. 4-bit tiles of 16 x 512 (nvfp4 on 8 warps) wrote the dense weight 3-9%
-    # faster than 16 x 128 on an H200, within 2% of the best of 48 tiles per format (RESULTS.md, issue 24)
-    block_k = 256 if fmt in PER_CHANNEL else max(group, 512)
+    # A whole number of groups per program. 4-bit tiles of 16 x 512 (nvfp4 on 8 warps) wrote the dense weight 7-13%
+    # faster than 16 x 128 on an H200 where they still make 8 programs per multiprocessor, and 2-17% slower where
+    # they make fewer (1024 x 4096: 512 programs); RESULTS.md, issue 24
+    block_k = 256 if fmt in PER_CHANNEL else max(group, 128)
+    if fmt not in PER_CHANNEL and cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(q.device):
+        block_k = max(group, 512)
     head = (q, scale, t.get("offset", scale), t.get("global_scale", scale))
     tail = (n, k, q.stride(0), scale.stride(0), k)
     meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=8 if fmt == "nvfp4" else 4)
+                num_warps=8 if fmt == "nvfp4" and block_k >= 512 else 4)
     return (n, k), q.device, (cdiv(n, block_n), cdiv(k, block_k)), head, tail, meta
 
 
