@@ -56,6 +56,12 @@ def test_the_device_flag_is_the_device_torchport_gives_the_program(program: Path
     assert detected.returncode == 0 and detected.stdout.split()[-1] == "npu:0", detected.stdout + detected.stderr
     chosen = run_python("-m", "torchport", "run", "--device", "cpu", "where.py", cwd=program, env=simulated)
     assert chosen.returncode == 0 and chosen.stdout.split()[-1] == "cpu", chosen.stdout + chosen.stderr
+    # an index in the flag is where the program starts; a rank that moves to its own device (as
+    # torchport.distributed.init does from LOCAL_RANK) is then answered that device, not the flag's index
+    (program / "rank.py").write_text("import torch, torchport\ntorch.npu.set_device(1)\nprint(torchport.device())\n")
+    two = {**simulated, "TORCHPORT_SIMULATE_DEVICES": "2"}
+    moved = run_python("-m", "torchport", "run", "--device", "npu:0", "rank.py", cwd=program, env=two)
+    assert moved.returncode == 0 and moved.stdout.split()[-1] == "npu:1", moved.stdout + moved.stderr
 
 
 def test_torchport_options_after_the_script_are_the_programs(program: Path, run_python: Runner) -> None:

@@ -274,7 +274,7 @@ def test_a_device_mesh_without_a_backend_starts_the_cpu_targets_group() -> None:
     machine, which serves no CPU tensor). On the CPU target the group gets the CPU's backend; the recorder stands
     where the GPU machine's default would differ, so the test is the same on every machine."""
     result = _run("""
-        import os, socket
+        import os
         import torch.distributed as dist
         from torch.distributed import device_mesh, distributed_c10d
         seen = []
@@ -285,16 +285,17 @@ def test_a_device_mesh_without_a_backend_starts_the_cpu_targets_group() -> None:
         dist.init_process_group = distributed_c10d.init_process_group = device_mesh.init_process_group = record
         import torchport.compat
         torchport.compat.patch("cpu")
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
         mesh = device_mesh.init_device_mesh("cuda", (1,))
         print(seen, mesh.device_type, dist.get_backend())
         dist.destroy_process_group()
+        distributed_c10d.init_process_group()  # the binding FSDP2's fully_shard and others reach
+        print(seen, dist.get_backend())
+        dist.destroy_process_group()
     """, LOCAL_RANK="0")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.split("\n")[0] == "['gloo'] cpu gloo", result.stdout + result.stderr
+    lines = result.stdout.split("\n")[:2]
+    assert lines == ["['gloo'] cpu gloo", "['gloo', 'gloo'] gloo"], result.stdout + result.stderr
 
 
 def test_integer_devices_land_on_the_target(shim: torch.device) -> None:

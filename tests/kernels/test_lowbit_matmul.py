@@ -224,15 +224,20 @@ def test_triton_split_k_replays_in_a_cuda_graph(device):
             check_close(f"{config} replay {step}", y, (x.double().cpu() @ dense.T), torch.bfloat16)
 
 
-def test_triton_dequantize_matches_reference(device):
+def test_triton_dequantize_matches_reference(device, monkeypatch):
     _need_triton(device)
     from torchport.kernels.triton import lowbit
 
-    # 17 x 384: the small weight's tiles; 1030 x 2176: the wide 4-bit tiles (16 x 512), taken where they make 8
-    # programs per multiprocessor (the interpreter counts 8), with a last block of rows and of columns cut short
+    # 17 x 384: the small tiles; 1030 x 2176: the wide 4-bit tiles (16 x 512, nvfp4 on 8 warps), taken where they
+    # make 8 programs per multiprocessor (here: one multiprocessor counted, on any device), with a last block of rows
+    # and of columns cut short
+    monkeypatch.setattr(lowbit, "multiprocessor_count", lambda device: 1)
     for fmt in FORMATS:
         for n, k in ((17, 384), (1030, 2176)):
             spec, group, t, *_ = _case(fmt, 1, n, k, device, torch.bfloat16)
+            block_k = lowbit._dequantize_launch(t, fmt, group)[5]["BLOCK_K"]
+            if fmt not in ("int8", "fp8") and (device.type == "cpu" or lowbit.nvidia(device)):
+                assert block_k == (128 if n == 17 else 512), (fmt, n, k, block_k)
             dense = lowbit.dequantize(t, fmt, group, torch.float32)
             expected = spec.dequantize({name: v.cpu() for name, v in t.items()}, torch.float32)
             torch.testing.assert_close(dense.cpu(), expected, rtol=1e-6, atol=0, msg=f"{fmt} {n} x {k}")

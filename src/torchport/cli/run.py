@@ -129,9 +129,10 @@ def handle(args: argparse.Namespace) -> int:
     # Child processes (DataLoader workers, torch.multiprocessing, subprocess) get the same shim at start-up.
     os.environ["TORCHPORT_SHIM"] = str(device)
     if args.device:
-        # the program's own questions (torchport.device(), torchport.distributed.init()) get the device the flag
-        # named, not the detected one: `--device cpu` on a GPU machine runs every rank on the CPU
-        os.environ["TORCHPORT_DEVICE"] = args.device
+        # the program's own questions (torchport.device(), torchport.distributed.init()) get the device type the
+        # flag named, not the detected one: `--device cpu` on a GPU machine runs every rank on the CPU. The type
+        # only: the index is the current device's (compat.patch made a named index current; a rank sets its own)
+        os.environ["TORCHPORT_DEVICE"] = _settings.parse_device_spec(args.device, "--device")[0]
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [_CHILD_HOOK, os.environ.get("PYTHONPATH")]))
     if mode is not None:
         from .. import modes

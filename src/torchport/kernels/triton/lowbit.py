@@ -435,9 +435,12 @@ def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[i
     block_n = 16
     # A whole number of groups per program. 4-bit tiles of 16 x 512 (nvfp4 on 8 warps) wrote the dense weight 7-13%
     # faster than 16 x 128 on an H200 where they still make 8 programs per multiprocessor, and 2-17% slower where
-    # they make fewer (1024 x 4096: 512 programs); RESULTS.md, issue 24
+    # they make fewer (1024 x 4096: 512 programs); RESULTS.md, issue 24. Measured on NVIDIA only (the interpreter
+    # takes them too, so that CI runs that launch)
     block_k = 256 if fmt in PER_CHANNEL else max(group, 128)
-    if fmt not in PER_CHANNEL and cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(q.device):
+    wide = nvidia(q.device) or q.device.type == "cpu"
+    if wide and fmt not in PER_CHANNEL and k >= 512 and cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(
+            q.device):
         block_k = max(group, 512)
     head = (q, scale, t.get("offset", scale), t.get("global_scale", scale))
     tail = (n, k, q.stride(0), scale.stride(0), k)
