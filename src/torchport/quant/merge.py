@@ -178,7 +178,7 @@ class SiblingGroup:
             parts = [getattr(m, name) for m in self.members]
             base = _joined(parts)
             if base is None:
-                # normal tensors even inside torch.inference_mode (where the views of a tensor made there would be
+                # normal tensors even inside torch.inference_mode (where cat, and a view of another dtype, make
                 # inference tensors): in-place writes to them are then counted, which the key above relies on
                 with torch.inference_mode(False):
                     base = torch.cat([p.view(torch.uint8) if p.element_size() == 1 else p for p in parts])

@@ -438,10 +438,10 @@ def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[i
     # they make fewer (1024 x 4096: 512 programs); RESULTS.md, issue 24. Measured on NVIDIA only (the interpreter
     # takes them too, so that CI runs that launch)
     block_k = 256 if fmt in PER_CHANNEL else max(group, 128)
-    wide = nvidia(q.device) or q.device.type == "cpu"
-    if wide and fmt not in PER_CHANNEL and k >= 512 and cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(
-            q.device):
-        block_k = max(group, 512)
+    measured = nvidia(q.device) or q.device.type == "cpu"
+    if measured and fmt not in PER_CHANNEL and k >= 512:
+        if cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(q.device):
+            block_k = max(group, 512)
     head = (q, scale, t.get("offset", scale), t.get("global_scale", scale))
     tail = (n, k, q.stride(0), scale.stride(0), k)
     meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
