@@ -226,19 +226,19 @@ def test_triton_split_k_replays_in_a_cuda_graph(device):
 
 def test_triton_dequantize_matches_reference(device, monkeypatch):
     _need_triton(device)
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit_dense
 
     # 17 x 384: the small tiles; 1030 x 2176: the wide 4-bit tiles (16 x 512, nvfp4 on 8 warps), taken where they
     # make 8 programs per multiprocessor (here: one multiprocessor counted, on any device), with a last block of rows
     # and of columns cut short
-    monkeypatch.setattr(lowbit, "multiprocessor_count", lambda device: 1)
+    monkeypatch.setattr(lowbit_dense, "multiprocessor_count", lambda device: 1)
     for fmt in FORMATS:
         for n, k in ((17, 384), (1030, 2176)):
             spec, group, t, *_ = _case(fmt, 1, n, k, device, torch.bfloat16)
-            block_k = lowbit._dequantize_launch(t, fmt, group)[5]["BLOCK_K"]
-            if fmt not in ("int8", "fp8") and (device.type == "cpu" or lowbit.nvidia(device)):
+            block_k = lowbit_dense.dequantize_launch(t, fmt, group)[5]["BLOCK_K"]
+            if fmt not in ("int8", "fp8") and (device.type == "cpu" or lowbit_dense.nvidia(device)):
                 assert block_k == (128 if n == 17 else 512), (fmt, n, k, block_k)
-            dense = lowbit.dequantize(t, fmt, group, torch.float32)
+            dense = lowbit_dense.dequantize(t, fmt, group, torch.float32)
             expected = spec.dequantize({name: v.cpu() for name, v in t.items()}, torch.float32)
             torch.testing.assert_close(dense.cpu(), expected, rtol=1e-6, atol=0, msg=f"{fmt} {n} x {k}")
 
@@ -248,18 +248,19 @@ def test_triton_dense_route_in_slices_matches_the_whole_weight(with_bias, device
     """A weight whose dense copy passes the dense route's limit is dequantised and multiplied in slices of output
     features (130 features in slices of 32: four whole slices and a short one) with the same result."""
     _need_triton(device)
-    from torchport.kernels.triton import lowbit
+    from torchport.kernels.triton import lowbit_dense
 
-    monkeypatch.setattr(lowbit, "_DENSE_CHUNK_BYTES", 40 * 256 * 4)  # 40 rows of 256 float32 weights
-    monkeypatch.setattr(lowbit, "_DENSE_CHUNK_ALIGN", 16)  # so 32-feature slices
-    whole = lowbit.dequantize
+    monkeypatch.setattr(lowbit_dense, "CHUNK_BYTES", 40 * 256 * 4)  # 40 rows of 256 float32 weights
+    monkeypatch.setattr(lowbit_dense, "CHUNK_ALIGN", 16)  # so 32-feature slices
+    whole = lowbit_dense.dequantize
     slices = []
-    monkeypatch.setattr(lowbit, "dequantize", lambda t, *args: slices.append(t["qweight"].shape[0]) or whole(t, *args))
+    monkeypatch.setattr(lowbit_dense, "dequantize",
+                        lambda t, *args: slices.append(t["qweight"].shape[0]) or whole(t, *args))
     for fmt in FORMATS:
         spec, group, t, x, bias, dense = _case(fmt, 20, 130, 256, device, torch.float32)
         x, b = x.to(device, torch.float32), bias.to(device, torch.float32) if with_bias else None
         slices.clear()
-        y = lowbit._dense(x, t, fmt, group, b)
+        y = lowbit_dense.dense(x, t, fmt, group, b)
         assert slices == [32, 32, 32, 32, 2]
         want = torch.nn.functional.linear(x, whole(t, fmt, group, torch.float32), b)
         torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"{fmt}: {m}")

@@ -16,10 +16,9 @@ decode it in registers:
 * int4 at 1 to 16 rows, a candidate in both lists: ``int4_mma_kernel`` (:mod:`.lowbit_int4_mma`), the weight as
   the tensor cores' register operand with two codes decoded by one ``lop3``, which costs 16 rows about what it costs
   one;
-* more rows (prefill): ``gemm_kernel`` with large tiles, or the weight dequantised into the activation dtype (one
-  pass at ~2.4 TB/s) and the vendor matmul (``QuantizedLinear.cache_dequantized`` keeps that weight between calls);
-  a weight whose dense copy would pass ``_DENSE_CHUNK_BYTES`` (an LM head) is dequantised and multiplied in slices
-  of output features, each written into its columns of the output, so that the copy never exists whole.
+* more rows (prefill): ``gemm_kernel`` with large tiles, or the dense route (:mod:`.lowbit_dense`: the weight
+  dequantised into the activation dtype in one pass, then the vendor matmul; ``QuantizedLinear.cache_dequantized``
+  keeps that weight between calls), which the tuner keeps at 2048 rows.
 
 ``gemm_kernel`` is a candidate in two orientations: the activations as the dot's A operand, or (``WEIGHT_A``) the
 decoded weights, which Hopper's tensor cores take from registers (RESULTS.md, issue 24: up to 25% faster at 2048
@@ -48,20 +47,18 @@ from .lowbit_int4_mma import int4_mma_kernel
 from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, INT4_MMA, MMA, PER_CHANNEL, ROWS, TUNED,
                             TUNED_GEMV, TUNED_PREFILL, tiled_candidates, words_fit)
 from .launch import Kernel, Prepared
+from .lowbit_dense import DensePlan, Dequantizer, as_bytes, dense, dequantize, kernel_group, whole
 
 __all__ = ["DECODE_ROWS", "FORMAT_IDS", "Planned", "dequantize", "matmul", "plan", "supports"]
 
 Launch = Callable[..., torch.Tensor]  # (config, x, t, fmt, group, bias) -> y
 Planned = Callable[[torch.Tensor, dict[str, Any], torch.Tensor | None], torch.Tensor]  # (x, t, bias) -> y
 
-# The dense route's largest dequantised weight in one piece (bytes), and the slice granularity in output features
-_DENSE_CHUNK_BYTES = 128 * 2**20
-_DENSE_CHUNK_ALIGN = 128
 # The launchers bind each compiled specialisation once (launch.py): Triton's own launch path cost 32-85 us of host
 # time per one-row call on an H100 host, more than the 5-30 us the kernels run (RESULTS.md, issue 24).
-(_MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _DEQUANTIZE_KERNEL,
- _INT4_MMA_KERNEL) = map(Kernel, (kernels.matmul_kernel, gemm_kernel, gemv_kernel, kernels.gemv4_kernel,
-                                  kernels.gemv8_kernel, kernels.dequantize_kernel, int4_mma_kernel))
+(_MATMUL_KERNEL, _GEMM_KERNEL, _GEMV_KERNEL, _GEMV4_KERNEL, _GEMV8_KERNEL, _INT4_MMA_KERNEL) = map(
+    Kernel, (kernels.matmul_kernel, gemm_kernel, gemv_kernel, kernels.gemv4_kernel, kernels.gemv8_kernel,
+             int4_mma_kernel))
 
 
 def supports(fmt: str, group: int, k: int) -> str | None:
@@ -100,26 +97,13 @@ def _workspace(device: torch.device, parts: int, tiles: int) -> tuple[torch.Tens
     return buffers
 
 
-def _as_bytes(fmt: str, q: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8 codes (fp8) and block scales (nvfp4) as their bytes: the kernels decode the bits themselves."""
-    if fmt == "fp8":
-        q = q.view(torch.uint8)
-    if fmt == "nvfp4":
-        scale = scale.view(torch.uint8)
-    return q, scale
-
-
-def _kernel_group(fmt: str, group: int) -> int:
-    return 1 if fmt in PER_CHANNEL else group  # per-channel formats: one constant, not one compile per width
-
-
 def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
             bias: torch.Tensor | None) -> torch.Tensor:
     kernel = config.get("KERNEL", MMA)
     if kernel == ROWS and words_fit(fmt, x.shape[1]):
         return _launch_words(config, x, t, fmt, group, bias)
     if kernel == DENSE:
-        return _dense(x, t, fmt, group, bias)
+        return dense(x, t, fmt, group, bias)
     if kernel == GEMM:
         return _launch_gemm(config, x, t, fmt, group, bias)
     if kernel == INT4_MMA:
@@ -134,39 +118,16 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
     split = cdiv(k, k_split)
     atomic = split > 1
     y = torch.zeros((m, n), dtype=torch.float32, device=x.device) if atomic else x.new_empty((m, n))
-    q, scale = _as_bytes(fmt, q, scale)
+    q, scale = as_bytes(fmt, q, scale)
     _MATMUL_KERNEL.launch(
         (cdiv(n, block_n), split, m_blocks),
         x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
         m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, ATOMIC=atomic,
+        FORMAT=FORMAT_IDS[fmt], GROUP=kernel_group(fmt, group), HAS_BIAS=bias is not None, ATOMIC=atomic,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type == "cpu",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=config["num_warps"],
     )
     return y.to(x.dtype) if atomic else y
-
-
-def _dense(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> torch.Tensor:
-    """Dequantise + the vendor matmul; past ``_DENSE_CHUNK_BYTES`` of dense weight, slice by slice of output
-    features. On an H100 at 2048 rows the 128256 x 4096 LM head in 16384-feature slices peaked at 629 MiB above its
-    inputs instead of 1503 (the 501 MiB output included), at -2% to +8% of the whole weight's time by format; the
-    other layers of an 8B model stay whole (RESULTS.md, issue 24)."""
-    n, k = t["qweight"].shape[0], x.shape[1]
-    rows = _DENSE_CHUNK_BYTES // max(1, k * x.element_size())
-    if n <= rows:
-        return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
-    rows = max(_DENSE_CHUNK_ALIGN, rows // _DENSE_CHUNK_ALIGN * _DENSE_CHUNK_ALIGN)
-    y = x.new_empty((x.shape[0], n))
-    for start in range(0, n, rows):
-        part = {name: v[start:start + rows] if v.dim() and v.shape[0] == n else v for name, v in t.items()}
-        w = dequantize(part, fmt, group, x.dtype)
-        out = y[:, start:start + rows]
-        if bias is None:
-            torch.mm(x, w.t(), out=out)
-        else:
-            torch.addmm(bias[start:start + rows].to(x.dtype), x, w.t(), out=out)
-        del w  # the next slice reuses its memory
-    return y
 
 
 def _split_ranges(split: int, total: int, block: int) -> tuple[int, int]:
@@ -189,7 +150,7 @@ def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
                  bias: torch.Tensor | None) -> torch.Tensor:
     """``gemm_kernel``: the K split derived as for the tensor-core kernel (none for prefill's many row tiles)."""
     m, k = x.shape
-    q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
+    q, scale = as_bytes(fmt, t["qweight"], t["scale"])
     n = q.shape[0]
     block_m, block_n, block_k = config["BLOCK_M"], config["BLOCK_N"], config["BLOCK_K"]
     tiles = cdiv(m, block_m) * cdiv(n, block_n)
@@ -200,7 +161,7 @@ def _launch_gemm(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
         (tiles, split),
         x, q, scale, t.get("offset", scale), t.get("global_scale", scale), scale if bias is None else bias, y,
         *buffers, m, n, k, k_split, x.stride(0), q.stride(0), scale.stride(0), y.stride(0),
-        FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None, SPLIT=split,
+        FORMAT=FORMAT_IDS[fmt], GROUP=kernel_group(fmt, group), HAS_BIAS=bias is not None, SPLIT=split,
         PRECISION="ieee" if x.dtype == torch.float32 else "tf32", UPCAST=x.device.type == "cpu",
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, GROUP_M=8, WEIGHT_A=bool(config.get("WEIGHT_A", False)),
         num_warps=config["num_warps"], num_stages=config.get("num_stages", 3),
@@ -249,7 +210,7 @@ def _launch_gemv(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fm
             return _launch_words(config, x, t, fmt, group, bias)
         config = tiled_candidates(fmt, t["qweight"].shape[0], x.shape[1], group)[0]
     k = x.shape[1]
-    q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
+    q, scale = as_bytes(fmt, t["qweight"], t["scale"])
     n = q.shape[0]
     y = x.new_empty((1, n))
     grid = (cdiv(n, config["BLOCK_N"]),)
@@ -313,8 +274,8 @@ def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.T
     config = tunable.lookup(x.device, x.dtype, *sizes)
     if config is None:
         return None
-    if launch is _launch and config.get("KERNEL") == DENSE and n <= _DENSE_CHUNK_BYTES // max(1, k * x.element_size()):
-        return _DensePlan(_Dequantizer(t, fmt, group, x.dtype))
+    if launch is _launch and config.get("KERNEL") == DENSE and whole(n, k, x.element_size()):
+        return DensePlan(Dequantizer(t, fmt, group, x.dtype))
     words = (launch is _launch_gemv and config.get("KERNEL", GEMV_TILED) == GEMV) or \
         (launch is _launch and config.get("KERNEL", MMA) == ROWS)
     if words and words_fit(fmt, k) and not capturing(x.device):  # a capture may not make the K split's workspace
@@ -340,7 +301,7 @@ class _WordsPlan:
     def __init__(self, config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: str, group: int,
                  bias: torch.Tensor | None) -> None:
         m, k = x.shape
-        q, scale = _as_bytes(fmt, t["qweight"], t["scale"])
+        q, scale = as_bytes(fmt, t["qweight"], t["scale"])
         n = q.shape[0]
         words = q.view(torch.int32)
         n_words = words.shape[1]
@@ -358,7 +319,7 @@ class _WordsPlan:
         self._scale = scale  # what the kernel gets in the bias's place when there is none (it reads nothing there)
         self._tail = (m, n, k, per, x.stride(0), words.stride(0), scale.stride(0), n, MAGIC_BITS, SIGN_BITS)
         even = n % block_n == 0 and n_words % per == 0 and per % block_w == 0
-        self._meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), HAS_BIAS=bias is not None,
+        self._meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=kernel_group(fmt, group), HAS_BIAS=bias is not None,
                           EVEN=even, SPLIT=split, PREFETCH=bool(config.get("PREFETCH", 0)), BLOCK_N=block_n,
                           BLOCK_W=block_w, num_warps=config["num_warps"])
         self._prepared: Prepared | None = None
@@ -386,72 +347,3 @@ class _WordsPlan:
         if prepared is None and aligned:
             self._prepared = _GEMV_KERNEL.prepare(self._grid, *args, **self._meta)
         return y
-
-
-class _DensePlan:
-    """The dense route of one weight, planned: its dequantise launch bound once, then the vendor matmul."""
-
-    __slots__ = ("_dequantize",)
-
-    def __init__(self, dequantizer: _Dequantizer) -> None:
-        self._dequantize = dequantizer
-
-    def __call__(self, x: torch.Tensor, t: dict[str, Any], bias: torch.Tensor | None) -> torch.Tensor:
-        return torch.nn.functional.linear(x, self._dequantize(), bias)
-
-
-class _Dequantizer:
-    """The dequantise launch of one weight's tensors into ``dtype``: its arguments built once; once its kernel has
-    been launched, launched through :class:`.launch.Prepared` (a fresh output is the one argument that changes)."""
-
-    __slots__ = ("_device", "_dtype", "_grid", "_head", "_meta", "_prepared", "_shape", "_tail")
-
-    def __init__(self, t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> None:
-        self._shape, self._device, self._grid, self._head, self._tail, self._meta = _dequantize_launch(t, fmt, group)
-        self._dtype = dtype
-        self._prepared: Prepared | None = None
-
-    def __call__(self) -> torch.Tensor:
-        w = torch.empty(self._shape, dtype=self._dtype, device=self._device)
-        args = (*self._head, w, *self._tail)
-        prepared = self._prepared
-        if prepared is not None and w.data_ptr() % 16 == 0 and prepared.launch(args):
-            return w
-        _DEQUANTIZE_KERNEL.launch(self._grid, *args, **self._meta)
-        if prepared is None:
-            self._prepared = _DEQUANTIZE_KERNEL.prepare(self._grid, *args, **self._meta)
-        return w
-
-
-def _dequantize_launch(t: dict[str, Any], fmt: str, group: int) -> tuple[tuple[int, int], torch.device,
-                                                                         tuple[int, int], tuple[Any, ...],
-                                                                         tuple[Any, ...], dict[str, Any]]:
-    """(weight shape, device, grid, runtime arguments before the output, those after it, constexprs) of the
-    dequantise kernel, for a contiguous output (its row stride is in_features)."""
-    q, scale = t["qweight"], t["scale"]
-    n = q.shape[0]
-    k = q.shape[1] * (1 if fmt in PER_CHANNEL else 2)
-    q, scale = _as_bytes(fmt, q, scale)
-    block_n = 16
-    # A whole number of groups per program. 4-bit tiles of 16 x 512 (nvfp4 on 8 warps) wrote the dense weight 7-13%
-    # faster than 16 x 128 on an H200 where they still make 8 programs per multiprocessor, and 2-17% slower where
-    # they make fewer (1024 x 4096: 512 programs); RESULTS.md, issue 24. Measured on NVIDIA only (the interpreter
-    # takes them too, so that CI runs that launch)
-    block_k = 256 if fmt in PER_CHANNEL else max(group, 128)
-    measured = nvidia(q.device) or q.device.type == "cpu"
-    if measured and fmt not in PER_CHANNEL and k >= 512:
-        if cdiv(n, block_n) * cdiv(k, 512) >= 8 * multiprocessor_count(q.device):
-            block_k = max(group, 512)
-    head = (q, scale, t.get("offset", scale), t.get("global_scale", scale))
-    tail = (n, k, q.stride(0), scale.stride(0), k)
-    meta = dict(FORMAT=FORMAT_IDS[fmt], GROUP=_kernel_group(fmt, group), BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=8 if fmt == "nvfp4" and block_k >= 512 else 4)
-    return (n, k), q.device, (cdiv(n, block_n), cdiv(k, block_k)), head, tail, meta
-
-
-def dequantize(t: dict[str, Any], fmt: str, group: int, dtype: torch.dtype) -> torch.Tensor:
-    """The dense ``(out_features, in_features)`` weight in ``dtype``, in one pass over the codes."""
-    shape, device, grid, head, tail, meta = _dequantize_launch(t, fmt, group)
-    w = torch.empty(shape, dtype=dtype, device=device)
-    _DEQUANTIZE_KERNEL.launch(grid, *head, w, *tail, **meta)
-    return w
