@@ -36,8 +36,9 @@ from torch import nn
 from . import registry
 from ._autograd import autograd_enabled, vjp
 from .checks import capturing, check_floating, check_same_device, check_same_dtype, widen
-from .cross_entropy import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
-                            mark_bad_targets, per_row_losses)
+from .cross_entropy import per_row_losses
+from .loss_checks import (check_options, check_reduction, check_target_tensor, check_targets, loss_dtype_of,
+                          mark_bad_targets)
 from .linear_ce_passes import RESCALE_MARGIN, TORCH_MATH, linear_cross_entropy, triton_math
 from .linear_ce_plan import Blocks, blocks, row_chunk, workspace_bytes
 from .spec import CustomOp, OpSpec, randn, targets

@@ -12,6 +12,7 @@ import torch.fx
 import torch.nn.functional as F
 
 from ...kernels import library  # noqa: F401 - registers torch.ops.torchport
+from ...kernels.loss_checks import REDUCTIONS
 from . import note, register_pass
 from ._graph import value as _value
 from ._replace import replace
@@ -21,7 +22,6 @@ __all__ = ["cross_entropy"]
 Node = torch.fx.Node
 
 _SIGNATURE = inspect.signature(F.cross_entropy)
-_REDUCTIONS = ("mean", "sum", "none")
 _RESHAPES = ("view", "reshape")
 
 
@@ -39,7 +39,7 @@ def _supported(args: dict[str, Any]) -> bool:
     """What the kernel computes: no class weights, no legacy reduction flags, class-index targets."""
     smoothing, ignore_index = args["label_smoothing"], args["ignore_index"]
     return (args["weight"] is None and args["size_average"] is None and args["reduce"] is None
-            and args["reduction"] in _REDUCTIONS
+            and args["reduction"] in REDUCTIONS
             and isinstance(ignore_index, int) and not isinstance(ignore_index, bool)
             and isinstance(smoothing, (int, float)) and not isinstance(smoothing, bool) and 0.0 <= smoothing <= 1.0)
 
