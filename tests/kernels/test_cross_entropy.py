@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 import torchport
 from torchport.kernels import Unsupported, registry
-from torchport.kernels.cross_entropy import check_targets
+from torchport.kernels.loss_checks import check_targets
 
 from kernel_cases import call, check_close, forced, needs_fused
 

@@ -65,7 +65,6 @@ from .spec import CustomOp, OpSpec, randn, targets
 __all__ = ["CrossEntropyLoss", "cross_entropy", "per_row_losses"]
 
 
-
 def _reduce(rows: torch.Tensor, valid: torch.Tensor, reduction: str, dtype: torch.dtype) -> torch.Tensor:
     """Per-row losses to the requested reduction ("mean" over the kept rows; 0 when none is kept), in ``dtype``."""
     if reduction == "none":

@@ -47,7 +47,8 @@ from .lowbit_int4_mma import int4_mma_kernel
 from .lowbit_tuning import (DECODE_ROWS, DENSE, GEMM, GEMV, GEMV_TILED, INT4_MMA, MMA, PER_CHANNEL, ROWS, TUNED,
                             TUNED_GEMV, TUNED_PREFILL, tiled_candidates, words_fit)
 from .launch import Kernel, Prepared
-from .lowbit_dense import DensePlan, Dequantizer, as_bytes, dense, dequantize, kernel_group, whole
+from . import lowbit_dense
+from .lowbit_dense import as_bytes, dequantize, kernel_group
 
 __all__ = ["DECODE_ROWS", "FORMAT_IDS", "Planned", "dequantize", "matmul", "plan", "supports"]
 
@@ -103,7 +104,7 @@ def _launch(config: autotune.Config, x: torch.Tensor, t: dict[str, Any], fmt: st
     if kernel == ROWS and words_fit(fmt, x.shape[1]):
         return _launch_words(config, x, t, fmt, group, bias)
     if kernel == DENSE:
-        return dense(x, t, fmt, group, bias)
+        return lowbit_dense.dense(x, t, fmt, group, bias)
     if kernel == GEMM:
         return _launch_gemm(config, x, t, fmt, group, bias)
     if kernel == INT4_MMA:
@@ -274,8 +275,8 @@ def plan(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.T
     config = tunable.lookup(x.device, x.dtype, *sizes)
     if config is None:
         return None
-    if launch is _launch and config.get("KERNEL") == DENSE and whole(n, k, x.element_size()):
-        return DensePlan(Dequantizer(t, fmt, group, x.dtype))
+    if launch is _launch and config.get("KERNEL") == DENSE and lowbit_dense.whole(n, k, x.element_size()):
+        return lowbit_dense.DensePlan(lowbit_dense.Dequantizer(t, fmt, group, x.dtype))
     words = (launch is _launch_gemv and config.get("KERNEL", GEMV_TILED) == GEMV) or \
         (launch is _launch and config.get("KERNEL", MMA) == ROWS)
     if words and words_fit(fmt, k) and not capturing(x.device):  # a capture may not make the K split's workspace

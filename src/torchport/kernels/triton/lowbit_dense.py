@@ -1,12 +1,14 @@
-"""The low-bit matmul's dense route (:mod:`.lowbit`'s ``DENSE`` kernel, prefill's usual choice): the weight
+"""The low-bit matmul's dense route (the ``DENSE`` choice of :mod:`.lowbit_tuning`, prefill's usual one): the weight
 dequantised into the activation dtype by ``dequantize_kernel`` in one pass over its codes, then the vendor matmul;
-and the views of a format's tensors that every low-bit launch passes to its kernel.
+and the views of a format's tensors (:func:`as_bytes`, :func:`kernel_group`) that every low-bit launch of
+:mod:`.lowbit` passes to its kernel, the dense route's included.
 
-At 2048 rows a dense matmul is bound by the tensor cores, so the route costs one write of the bf16 weight per call
-(2 bytes a weight: 15 GB for an 8B model's linear layers), which the write rate of the device bounds (~2.95 TB/s
-on an H200); the kernel runs at 1.12-1.25x that floor. A GEMM with the decoding inside it would avoid the write,
-but Triton's own bf16 GEMM ran at 0.78-0.89x cuBLAS's speed on the 8B model's layer shapes at 2048 rows on an
-H200, before any decoding (RESULTS.md, issue 24), so the route stays dequantise + cuBLAS.
+At 2048 rows a dense matmul is bound by the tensor cores, so what the route adds is one write of the bf16 weight
+per call (2 bytes a weight: 15 GB for an 8B model's linear layers), which the write rate of the device bounds
+(~2.95 TB/s on an H200); the kernel runs at 1.12-1.25x that floor. A GEMM with the decoding inside it would avoid
+the write, but on an H200 at 2048 rows a Triton bf16 GEMM (TMA, six tiles) ran at 0.78-0.89x cuBLAS's speed on the
+8B model's layer shapes before any decoding, and at 1.44-1.61x the dense route's time with int4 decoded in its
+loop (RESULTS.md, issue 24), so the route stays dequantise + cuBLAS.
 
 A weight whose dense copy would pass :data:`CHUNK_BYTES` (an LM head) is dequantised and multiplied in slices of
 output features, each written into its columns of the output, so that the copy never exists whole.
