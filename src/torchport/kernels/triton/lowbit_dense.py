@@ -48,9 +48,14 @@ def kernel_group(fmt: str, group: int) -> int:
     return 1 if fmt in PER_CHANNEL else group
 
 
+def _rows_whole(k: int, itemsize: int) -> int:
+    """How many output features of ``k`` inputs fit in :data:`CHUNK_BYTES` of dense weight."""
+    return CHUNK_BYTES // max(1, k * itemsize)
+
+
 def whole(n: int, k: int, itemsize: int) -> bool:
     """Whether an ``(n, k)`` dense weight of ``itemsize`` bytes a value is made in one piece (not sliced)."""
-    return n <= CHUNK_BYTES // max(1, k * itemsize)
+    return n <= _rows_whole(k, itemsize)
 
 
 def dense(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.Tensor | None) -> torch.Tensor:
@@ -59,9 +64,9 @@ def dense(x: torch.Tensor, t: dict[str, Any], fmt: str, group: int, bias: torch.
     inputs instead of 1503 (the 501 MiB output included), at -2% to +8% of the whole weight's time by format; the
     other layers of an 8B model stay whole (RESULTS.md, issue 24)."""
     n, k = t["qweight"].shape[0], x.shape[1]
-    if whole(n, k, x.element_size()):
+    rows = _rows_whole(k, x.element_size())
+    if n <= rows:
         return torch.nn.functional.linear(x, dequantize(t, fmt, group, x.dtype), bias)
-    rows = CHUNK_BYTES // max(1, k * x.element_size())
     rows = max(CHUNK_ALIGN, rows // CHUNK_ALIGN * CHUNK_ALIGN)
     y = x.new_empty((x.shape[0], n))
     for start in range(0, n, rows):
