@@ -9,7 +9,10 @@ each call after an untimed restore of its inputs, which includes its launch time
 not at the small ones). Quack (``quack-kernels``) is a contender only where it imports; the run records why not.
 
 Issue 23's target: every memory-bound op ≥ 90% of the copy ceiling in GPU time at 8192 rows for sizes
-256 … 262144; cross-entropy ≥ 85%.
+256 … 262144; cross-entropy ≥ 85%. The ceiling is the copy rate of a large buffer (``bench_kernels.py``'s, measured
+in the same run); beside it each size also gets the time of one kernel that only reads and writes the op's own least
+bytes, timed as torchport's rows are (``size_copy_ms``), so that a cell far from the large-buffer ceiling can be told
+apart from one that no kernel could reach at that size.
 """
 
 from __future__ import annotations
@@ -93,6 +96,30 @@ def _one(bench: Any, op: Any, name: str, fn: Any, size: int, rows: int, dtype: t
     return row
 
 
+def size_copy_ms(dev: Any, nbytes: int) -> float | None:
+    """Time of one kernel that reads and writes ``nbytes`` in all (``torch.neg`` from one bf16 buffer of ``nbytes /
+    4`` elements into another), as a CUDA-graph replay with the L2 cleared before each one (the sweep's timer); None
+    off CUDA, where the sweep's rows are host medians and a per-size copy says nothing about the kernels. Not
+    ``copy_``: captured in a graph it becomes a memcpy node, which ran at 2.0-2.7 TB/s on an H200 where the
+    multiprocessors' copy reaches 4.2 (benchmarks/RESULTS.md, issue 23)."""
+    if dev.device.type != "cuda" or nbytes < 4:
+        return None
+    buffers = [torch.empty(nbytes // 4, dtype=torch.bfloat16, device=dev.device).normal_()]
+    buffers.append(torch.empty_like(buffers[0]))
+    try:
+        return dev.graph_ms(lambda: torch.neg(buffers[0], out=buffers[1]), ())
+    finally:
+        buffers.clear()
+        torch.cuda.empty_cache()
+
+
+def _cell(entry: dict[str, Any]) -> str:
+    if not entry.get("ms"):
+        return entry.get("status", "-")
+    size_copy = f" / {entry['pct_size_copy']:.1f}%" if entry.get("pct_size_copy") else ""
+    return f"{entry['ms']:.4f} ms ({entry['pct_ceiling']:.1f}%{size_copy})"
+
+
 def run_sweep(bench: Any, ops: list[str], sizes: list[int], rows: int, contenders: list[str],
               dtype: torch.dtype, dev: Any, ceiling: float, mode: str, json_path: str, meta: dict) -> None:
     quack_why = quack_status()
@@ -126,17 +153,27 @@ def run_sweep(bench: Any, ops: list[str], sizes: list[int], rows: int, contender
                                                        + ("" if e.get("status") == "ok" else f" {e.get('status')}")
                                                        if e.get("ms") else f"{e.get('status')}: {e.get('error', '')}")
                               for e in entries)
+            nbytes = next((e["bytes"] for e in entries if e.get("bytes")), 0)
+            copy_ms = size_copy_ms(dev, nbytes)
+            if copy_ms:
+                for e in entries:
+                    if e.get("ms"):
+                        e["pct_size_copy"] = 100 * copy_ms / e["ms"]
+                shown += f"  (one pass over these bytes: {copy_ms:.4f} ms)"
             print(f"{name:>14} {rows}×{size:<7} {shown}", flush=True)
-            results.append({"op": name, "rows": rows, "size": size, "target_pct": target, "entries": entries})
-    print("\n| op | size | least bytes | " + " | ".join(contenders) + " | torchport target |")
-    print("|---|---|---|" + "---|" * len(contenders) + "---|")
+            results.append({"op": name, "rows": rows, "size": size, "target_pct": target, "entries": entries,
+                            "size_copy_ms": copy_ms})
+    print("\n| op | size | least bytes | one pass over them | " + " | ".join(contenders) + " | torchport target |")
+    print("|---|---|---|---|" + "---|" * len(contenders) + "---|")
     for r in results:
         by = {e["contender"]: e for e in r["entries"]}
-        cells = [f"{by[c]['ms']:.4f} ms ({by[c]['pct_ceiling']:.1f}%)" if by.get(c, {}).get("ms") else
-                 by.get(c, {}).get("status", "-") for c in contenders]
+        cells = [_cell(by.get(c, {})) for c in contenders]
         nbytes = next((e["bytes"] for e in r["entries"] if e.get("bytes")), 0)
-        print(f"| {r['op']} | {r['size']} | {nbytes / 1e6:.1f} MB | " + " | ".join(cells) +
+        copy = f"{r['size_copy_ms']:.4f} ms ({100 * nbytes / (r['size_copy_ms'] * 1e-3) / 1e9 / ceiling:.1f}%)" \
+            if r.get("size_copy_ms") else "-"
+        print(f"| {r['op']} | {r['size']} | {nbytes / 1e6:.1f} MB | {copy} | " + " | ".join(cells) +
               f" | {by.get('torchport', {}).get('target', '-')} |")
+    print("(each cell: ms, % of the large-buffer copy ceiling; after '/', % of one pass over the same bytes)")
     os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     with open(json_path, "w") as f:
         json.dump({**meta, "sweep_rows": rows, "sizes": sizes, "quack": quack_why or "imported",
