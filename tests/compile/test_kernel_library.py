@@ -115,8 +115,11 @@ def test_cross_entropy_mean_over_no_kept_row_is_zero(device):
 
 
 def test_cross_entropy_rejects_an_unknown_reduction():
-    with pytest.raises(ValueError, match=r"reduction='avg'; allowed: 'mean', 'sum', 'none'"):
+    with pytest.raises(ValueError, match=r"^torchport::cross_entropy: reduction='avg'; allowed: 'mean', 'sum', 'none'"):
         ops.cross_entropy(torch.randn(2, 3), torch.tensor([0, 1]), -100, 0.0, "avg")
+    with pytest.raises(ValueError, match=r"^torchport::fused_linear_cross_entropy: reduction='avg'; allowed: 'mean'"):
+        ops.fused_linear_cross_entropy(torch.randn(2, 4), torch.randn(3, 4), torch.tensor([0, 1]), None, -100, 0.0,
+                                       "avg", None, 0.0, None, [True, False, False, False])
 
 
 def test_bad_arguments_get_the_kernels_errors():

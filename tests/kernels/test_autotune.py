@@ -491,6 +491,26 @@ def test_every_norm_candidate_matches_the_reference(chunked, shape, triton_devic
     assert norm._FORWARD[True, not chunked].name == f"rms_norm.forward{suffix}"
 
 
+def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypatch):
+    """The heuristic of 2048-8192 columns buffers two tiles of 8192 values of x and dy: 64 KiB in bf16, 128 KiB in
+    float32. A GPU with less shared memory a program (an RTX 4090's 99 KiB) runs the float32 launch unpipelined."""
+    from torchport.kernels.triton import norm_tuning
+
+    for block_n in (2048, 4096, 8192):
+        for is_rms in (True, False):
+            m, w, p, s = norm_tuning._bwd_heuristic(block_n, is_rms)
+            assert (m * block_n, w, p, s) == (8192, 8, 1, 3)
+    assert norm_tuning._bwd_heuristic(16384, True)[3] == norm_tuning._bwd_heuristic(1024, False)[3] == 1
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 227 * 1024)
+    assert norm._stages(3, 8192, 2 + 2, gpu) == norm._stages(3, 8192, 4 + 4, gpu) == 3
+    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 99 * 1024)
+    assert norm._stages(3, 8192, 2 + 2, gpu) == 3 and norm._stages(3, 8192, 4 + 4, gpu) == 1
+    assert norm._stages(1, 8192, 4 + 4, gpu) == 1
+    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: None)  # the interpreter: no limit
+    assert norm._stages(3, 65536, 4 + 4, torch.device("cpu")) == 3
+
+
 @pytest.mark.parametrize("layout", ["contiguous", "halves"])
 def test_every_glu_candidate_matches_the_reference(layout, triton_device, monkeypatch):
     gen = torch.Generator().manual_seed(6)

@@ -300,7 +300,7 @@ def _op_forward(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, l
     ``check``: a bad target is a ValueError (one host read), as for :func:`cross_entropy` called eagerly. The graph
     that torch.compile makes of :func:`cross_entropy` passes False, so that its steps read nothing on the host: a
     bad target's row is then NaN."""
-    check_reduction("cross_entropy", reduction)
+    check_reduction("torchport::cross_entropy", reduction)
     rows = _rows_or_total(logits, target.long(), ignore_index, label_smoothing, "none", z_loss,
                           check=check and not capturing(target.device)).to(loss_dtype_of(logits))
     if reduction == "none":
@@ -318,7 +318,7 @@ def _classes(target: torch.Tensor, ignore_index: int, vocab: int) -> torch.Tenso
 
 def _op_fake(logits: torch.Tensor, target: torch.Tensor, ignore_index: int, label_smoothing: float,
              reduction: str, z_loss: float = 0.0, check: bool = True) -> torch.Tensor:
-    check_reduction("cross_entropy", reduction)
+    check_reduction("torchport::cross_entropy", reduction)
     return logits.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(logits))
 
 

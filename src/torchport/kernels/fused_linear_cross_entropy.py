@@ -233,7 +233,7 @@ def _op_forward(hidden, weight, target, bias, ignore_index, label_smoothing, red
     """The loss, then its gradients with respect to hidden, weight, target (never) and bias for an upstream gradient
     of 1, those of ``wanted`` computed with it (the passes' gradients; autograd through the logits for the
     reference), the others empty. ``"none"`` computes none: its backward weights each row (:func:`_op_backward`)."""
-    check_reduction("fused_linear_cross_entropy", reduction)
+    check_reduction("torchport::fused_linear_cross_entropy", reduction)
     fn = _op_loss(target, None, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
                   loss_dtype_of(hidden))
     inputs = (hidden, weight, bias)
@@ -254,7 +254,7 @@ def _op_forward(hidden, weight, target, bias, ignore_index, label_smoothing, red
 
 def _op_fake(hidden, weight, target, bias, ignore_index, label_smoothing, reduction, divisor, z_loss, softcap,
              wanted):
-    check_reduction("fused_linear_cross_entropy", reduction)
+    check_reduction("torchport::fused_linear_cross_entropy", reduction)
     loss = hidden.new_empty(target.shape if reduction == "none" else (), dtype=loss_dtype_of(hidden))
     computed = reduction != "none"
 

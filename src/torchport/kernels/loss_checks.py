@@ -55,8 +55,7 @@ def mark_bad_targets(loss: torch.Tensor, bad: torch.Tensor | None, reduction: st
 
 
 def check_options(op: str, label_smoothing: float, reduction: str) -> None:
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"{op}: reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
+    check_reduction(op, reduction)
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{op}: label_smoothing={label_smoothing} must be in [0, 1]")
 
@@ -73,8 +72,10 @@ def check_target_tensor(op: str, target: torch.Tensor, expected: torch.Size, wha
 
 
 def check_reduction(op: str, reduction: str) -> None:
+    """``reduction`` is one of :data:`REDUCTIONS` (``op`` names the caller in the error: the op or its custom op,
+    ``torchport::cross_entropy``)."""
     if reduction not in REDUCTIONS:
-        raise ValueError(f"torchport::{op}: reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
+        raise ValueError(f"{op}: reduction={reduction!r}; allowed: {', '.join(map(repr, REDUCTIONS))}")
 
 
 def loss_dtype_of(x: torch.Tensor) -> torch.dtype:

@@ -18,7 +18,7 @@ import torch
 
 from ...backends import get_backend
 
-__all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "nvidia", "rows_view"]
+__all__ = ["cdiv", "multiprocessor_count", "next_power_of_2", "nvidia", "rows_view", "shared_memory_per_program"]
 
 
 _UNKNOWN_COUNT = 8  # compute units assumed where the device does not say
@@ -40,6 +40,26 @@ def multiprocessor_count(device: torch.device) -> int:
     """Streaming multiprocessors (compute units) of ``device``, used to size persistent grids: the properties'
     ``multi_processor_count`` (an Ascend NPU's vector cores), else 8 (the host under Triton's interpreter)."""
     return _multiprocessor_count(device.type, device.index or 0)
+
+
+def shared_memory_per_program(device: torch.device) -> int | None:
+    """Bytes of shared memory one program (thread block) may use on a GPU ``device``, as Triton's driver reports it
+    for its own launch checks (227 KiB on an H100 or H200, 99 KiB on an RTX 4090); None off GPUs (the host under
+    Triton's interpreter has no such limit) or where the driver does not say."""
+    if device.type != "cuda":
+        return None
+    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.lru_cache(maxsize=None)
+def _shared_memory(index: int) -> int | None:
+    try:
+        from triton.runtime.driver import driver
+
+        value = driver.active.utils.get_device_properties(index).get("max_shared_mem")
+    except Exception:  # an interpreter or driver without the query
+        return None
+    return int(value) if isinstance(value, int) and value > 0 else None
 
 
 @functools.lru_cache(maxsize=None)

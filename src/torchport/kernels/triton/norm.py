@@ -10,6 +10,10 @@ Where the time goes in simpler kernels, and what these do instead:
 * The weight gradient is a column sum over all rows. The backward runs a persistent grid (a few programs per
   multiprocessor); each program walks its share of rows, keeps its partial column sums in registers, and writes
   them once; one small kernel sums the programs' rows of both gradients and rounds them to the parameters' dtype.
+  With few programs per multiprocessor, each one loads its next tiles while it computes the current one (a
+  software-pipelined row loop, ``stages`` in the launch configuration): on an H200 at 8192 rows bf16 that took the
+  backward 21-30% below its best unpipelined launch at 2048-8192 columns for LayerNorm and 10-21% for RMSNorm, and
+  made no launch faster at 16384 (``benchmarks/RESULTS.md``, issue 23).
   Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice, once for dx and once for the
   weight gradient).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.
@@ -28,7 +32,7 @@ import triton
 import triton.language as tl
 
 from .. import _autograd, registry
-from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
+from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view, shared_memory_per_program
 from .launch import Kernel
 from .norm_chunked import (add_weight_gradients, bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel,
                            input_gradient, store_weight_gradients)
@@ -72,7 +76,7 @@ def _fwd_kernel(
 def _bwd_kernel(
     X, W, DY, DX, MEAN, RSTD, DW, DB, M, N, stride_x, stride_dy, stride_dx, offset, eps,
     IS_RMS: tl.constexpr, HAS_W: tl.constexpr, WANT_DW: tl.constexpr, WANT_DB: tl.constexpr,
-    HAS_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_STATS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, STAGES: tl.constexpr,
 ):
     pid = tl.program_id(0)
     cols = tl.arange(0, BLOCK_N)
@@ -81,7 +85,8 @@ def _bwd_kernel(
         w = tl.load(W + cols, mask=col_ok, other=0.0).to(tl.float32) + offset
     dw = tl.zeros([BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_N], dtype=tl.float32)
-    for block in range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0)):
+    # STAGES > 1: the next tiles' x and dy are loaded (through shared memory) while this one is computed
+    for block in tl.range(pid, tl.cdiv(M, BLOCK_M), tl.num_programs(0), num_stages=STAGES):
         rows = (block * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
         row_ok = rows < M
         ok = row_ok[:, None] & col_ok[None, :]
@@ -209,6 +214,8 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     if _wide_backward(n, stats.is_rms):
         return _launch_wide_backward(config, rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
     block_m = config["BLOCK_M"]
+    block_n = next_power_of_2(n)
+    stages = _stages(config.get("stages", 1), block_m * block_n, rows.element_size() + dy_rows.element_size(), device)
     programs = min(cdiv(m, block_m), multiprocessor_count(device) * config["per_sm"])
     dw = torch.empty((programs, n), dtype=torch.float32, device=device) if want_dw else None
     db = torch.empty((programs, n), dtype=torch.float32, device=device) if want_db else None
@@ -218,9 +225,22 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
                 stats.mean if stats.mean is not None else rstd, rstd, dw if want_dw else rstd,
                 db if want_db else rstd, m, n, rows.stride(0), dy_rows.stride(0), n, offset, stats.eps,
                 IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-                HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=next_power_of_2(n),
+                HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
                 num_warps=config["num_warps"])
     return dw, db
+
+
+_REDUCTION_BYTES = 16 * 1024  # shared memory kept free for the kernel's row reductions beside the buffered tiles
+
+
+def _stages(stages: int, tile: int, bytes_per_value: int, device: torch.device) -> int:
+    """``stages`` of the backward's row loop, or 1 where the tiles it buffers (``stages - 1`` tiles of ``tile``
+    values of x and dy) would not fit in a program's shared memory on ``device`` (float32 rows on a GPU with less
+    than an H100's): the launch then runs unpipelined instead of failing to compile."""
+    limit = shared_memory_per_program(device)
+    if stages > 1 and limit is not None and (stages - 1) * tile * bytes_per_value + _REDUCTION_BYTES > limit:
+        return 1
+    return stages
 
 
 def _launch_wide_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,

@@ -38,32 +38,46 @@ def _fwd_candidates(block_n: int, rows: int) -> list[autotune.Config]:
     ])
 
 
-def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int]:
-    """(BLOCK_M, num_warps, programs per multiprocessor) for the persistent backward."""
+def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int, int]:
+    """(BLOCK_M, num_warps, programs per multiprocessor, stages of the row loop) for the persistent backward."""
     if 2048 <= block_n <= 8192:
-        # H100, 8192 x 4096 bf16, best of 36 settings: RMSNorm 4 rows x 16 warps, 1 program per SM, 0.085 ms;
-        # LayerNorm 2 rows x 8 warps, 1 per SM, 0.101 ms (best 0.100). One program per SM also keeps the
-        # partial weight gradients small (132 x 4096 x 4 bytes = 2.1 MiB per parameter).
-        return (min(4, 16384 // block_n), 16, 1) if is_rms else (min(2, 8192 // block_n), 8, 1)
+        # H200, 8192 rows bf16, both norms, every candidate with and without a pipelined row loop: 8 warps over
+        # 8192 values a step, one program per SM, 3 stages was the fastest launch at 2048, 4096 and 8192 columns or
+        # within 1.5% of it (RMSNorm 33.5 / 56.6 / 103.8 us, LayerNorm 34.4 / 58.3 / 106.3), where the earlier
+        # heuristics took 71.9 / 62.7 / 119.7 and 61.3 / 82.4 / 152.2 us (results/issue23/bwd_stages_h200.json).
+        # Its two buffered tiles take 64 KiB of shared memory in bf16, 128 KiB in float32.
+        return min(4, 8192 // block_n), 8, 1, 3
     block_m, num_warps = _fwd_heuristic(block_n)
     per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
-    return block_m, num_warps, per_sm
+    return block_m, num_warps, per_sm, 1
+
+
+def _bwd_launch(block_m: int, num_warps: int, per_sm: int, stages: int) -> autotune.Config:
+    return {"BLOCK_M": block_m, "num_warps": num_warps, "per_sm": per_sm, "stages": stages}
 
 
 def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
     def candidates(block_n: int, rows: int) -> list[autotune.Config]:
-        m, w, p = _bwd_heuristic(block_n, is_rms)
+        m, w, p, s = _bwd_heuristic(block_n, is_rms)
+        if s > 1:
+            # the earlier heuristics (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16
+            # warps, LayerNorm 2 rows x 8 warps, one per SM), then the pipelined loop around the heuristic: half
+            # the rows, twice the warps, two programs of half the rows per SM (LayerNorm 4096 columns on the H200:
+            # 1 row x 8 warps x 2 per SM, 57.5 us). Not twice the rows: in float32 its buffered tiles (256 KiB) pass
+            # an H200's shared memory.
+            old = _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else \
+                _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
+            return autotune.distinct([_bwd_launch(m, w, p, s), old, _bwd_launch(max(1, m // 2), w, p, s),
+                                      _bwd_launch(m, 2 * w, p, s), _bwd_launch(max(1, m // 2), w, 2, s)])
         return autotune.distinct([
-            {"BLOCK_M": m, "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m, "num_warps": max(1, w // 2), "per_sm": p},
+            _bwd_launch(m, w, p, s),
+            _bwd_launch(m, max(1, w // 2), p, s),
             # one program per SM: also two of half the rows (LayerNorm 8192 x 4096 bf16 on an H200: 1 row x 8 warps
             # x 2 per SM 72.0 us against the heuristic's 82.2; benchmarks/results/issue23/norm_probe_h200.json)
-            {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": 2} if p == 1 else
-            {"BLOCK_M": m, "num_warps": min(_MAX_WARPS, w * 2), "per_sm": p},
-            {"BLOCK_M": max(1, m // 2), "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m * 2, "num_warps": w, "per_sm": p},
-            {"BLOCK_M": m, "num_warps": w, "per_sm": p // 2} if p > 1 else
-            {"BLOCK_M": max(1, m // 2), "num_warps": max(1, w // 2), "per_sm": p},
+            _bwd_launch(max(1, m // 2), w, 2, s) if p == 1 else _bwd_launch(m, min(_MAX_WARPS, w * 2), p, s),
+            _bwd_launch(max(1, m // 2), w, p, s),
+            _bwd_launch(m * 2, w, p, s),
+            _bwd_launch(m, w, p // 2, s) if p > 1 else _bwd_launch(max(1, m // 2), max(1, w // 2), p, s),
         ])
 
     return candidates
