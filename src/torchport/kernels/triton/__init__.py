@@ -48,7 +48,7 @@ def shared_memory_per_program(device: torch.device) -> int | None:
     Triton's interpreter has no such limit) or where the driver does not say."""
     if device.type != "cuda":
         return None
-    return _shared_memory(device.index if device.index is not None else torch.cuda.current_device())
+    return _shared_memory(device.index if device.index is not None else torch.accelerator.current_device_index())
 
 
 @functools.lru_cache(maxsize=None)
