@@ -10,9 +10,9 @@ not at the small ones). Quack (``quack-kernels``) is a contender only where it i
 
 Issue 23's target: every memory-bound op ≥ 90% of the copy ceiling in GPU time at 8192 rows for sizes
 256 … 262144; cross-entropy ≥ 85%. The ceiling is the copy rate of a large buffer (``bench_kernels.py``'s, measured
-in the same run); beside it each size also gets the time of one kernel that only reads and writes the op's own least
-bytes, timed as torchport's rows are (``size_copy_ms``), so that a cell far from the large-buffer ceiling can be told
-apart from one that no kernel could reach at that size.
+in the same run); beside it each size also gets the time of one elementwise kernel that only reads and writes the
+op's own least bytes, timed as torchport's rows are (``size_copy_ms``), which shows how much of the large-buffer
+ceiling a single launch reaches at that size.
 """
 
 from __future__ import annotations
@@ -99,15 +99,19 @@ def _one(bench: Any, op: Any, name: str, fn: Any, size: int, rows: int, dtype: t
 def size_copy_ms(dev: Any, nbytes: int) -> float | None:
     """Time of one kernel that reads and writes ``nbytes`` in all (``torch.neg`` from one bf16 buffer of ``nbytes /
     4`` elements into another), as a CUDA-graph replay with the L2 cleared before each one (the sweep's timer); None
-    off CUDA, where the sweep's rows are host medians and a per-size copy says nothing about the kernels. Not
-    ``copy_``: captured in a graph it becomes a memcpy node, which ran at 2.0-2.7 TB/s on an H200 where the
-    multiprocessors' copy reaches 4.2 (benchmarks/RESULTS.md, issue 23)."""
+    off CUDA, where the sweep's rows are host medians and a per-size copy says nothing about the kernels, and where
+    the two buffers do not fit beside what the sweep holds. Not ``copy_``: captured in a graph it becomes a memcpy
+    node, which moved 2.7 TB/s on 1.3-34 GB on an H200, where this kernel reaches 4.2 (benchmarks/RESULTS.md, issue
+    23)."""
     if dev.device.type != "cuda" or nbytes < 4:
         return None
-    buffers = [torch.empty(nbytes // 4, dtype=torch.bfloat16, device=dev.device).normal_()]
-    buffers.append(torch.empty_like(buffers[0]))
+    buffers: list[torch.Tensor] = []
     try:
+        buffers.append(torch.empty(nbytes // 4, dtype=torch.bfloat16, device=dev.device).normal_())
+        buffers.append(torch.empty_like(buffers[0]))
         return dev.graph_ms(lambda: torch.neg(buffers[0], out=buffers[1]), ())
+    except torch.OutOfMemoryError:
+        return None
     finally:
         buffers.clear()
         torch.cuda.empty_cache()
@@ -156,8 +160,8 @@ def run_sweep(bench: Any, ops: list[str], sizes: list[int], rows: int, contender
             nbytes = next((e["bytes"] for e in entries if e.get("bytes")), 0)
             copy_ms = size_copy_ms(dev, nbytes)
             if copy_ms:
-                for e in entries:
-                    if e.get("ms"):
+                for e in entries:  # against rows timed the same way only
+                    if e.get("ms") and e.get("timer") == "CUDA graph replay":
                         e["pct_size_copy"] = 100 * copy_ms / e["ms"]
                 shown += f"  (one pass over these bytes: {copy_ms:.4f} ms)"
             print(f"{name:>14} {rows}×{size:<7} {shown}", flush=True)

@@ -493,7 +493,8 @@ def test_every_norm_candidate_matches_the_reference(chunked, shape, triton_devic
 
 def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypatch):
     """The heuristic of 2048-8192 columns buffers two tiles of 8192 values of x and dy: 64 KiB in bf16, 128 KiB in
-    float32. A GPU with less shared memory a program (an RTX 4090's 99 KiB) runs the float32 launch unpipelined."""
+    float32. Where they do not fit (float32 on an RTX 4090's 99 KiB a program), or off NVIDIA GPUs, the launch takes
+    the earlier unpipelined heuristic instead; the interpreter keeps the stages (it ignores them)."""
     from torchport.kernels.triton import norm_tuning
 
     for block_n in (2048, 4096, 8192):
@@ -501,14 +502,50 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
             m, w, p, s = norm_tuning._bwd_heuristic(block_n, is_rms)
             assert (m * block_n, w, p, s) == (8192, 8, 1, 3)
     assert norm_tuning._bwd_heuristic(16384, True)[3] == norm_tuning._bwd_heuristic(1024, False)[3] == 1
+    assert norm_tuning.unpipelined_backward(4096, True) == {"BLOCK_M": 4, "num_warps": 16, "per_sm": 1, "stages": 1}
+    assert norm_tuning.unpipelined_backward(4096, False) == {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 1}
+    heuristic = {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 3}
     gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(norm, "nvidia", lambda device: True)
     monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 227 * 1024)
-    assert norm._stages(3, 8192, 2 + 2, gpu) == norm._stages(3, 8192, 4 + 4, gpu) == 3
+    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) is heuristic
+    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, True) is heuristic
     monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 99 * 1024)
-    assert norm._stages(3, 8192, 2 + 2, gpu) == 3 and norm._stages(3, 8192, 4 + 4, gpu) == 1
-    assert norm._stages(1, 8192, 4 + 4, gpu) == 1
-    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: None)  # the interpreter: no limit
-    assert norm._stages(3, 65536, 4 + 4, torch.device("cpu")) == 3
+    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) is heuristic
+    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, True) == norm_tuning.unpipelined_backward(4096, True)
+    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, False) == norm_tuning.unpipelined_backward(4096, False)
+    one_stage = dict(heuristic, stages=1)
+    assert norm._pipelined(one_stage, 4096, 4 + 4, gpu, True) is one_stage
+    monkeypatch.setattr(norm, "nvidia", lambda device: False)  # a ROCm GPU: not measured there
+    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 227 * 1024)
+    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) == norm_tuning.unpipelined_backward(4096, True)
+    assert norm._pipelined(heuristic, 4096, 4 + 4, torch.device("cpu"), True) is heuristic
+
+
+@pytest.mark.parametrize("shape", [(37, 2000), (9, 4100)], ids=["2048 columns", "8192 columns"])
+def test_pipelined_norm_backward_walks_many_rows_per_program(shape, triton_device, monkeypatch):
+    """One program per multiprocessor and a single multiprocessor: each program's row loop runs many steps, the last
+    one over a part tile, with the pipelined heuristic and with the earlier one."""
+    from torchport.kernels.triton import norm_tuning
+
+    monkeypatch.setattr(norm, "multiprocessor_count", lambda device: 1)
+    gen = torch.Generator().manual_seed(9)
+    x, dy = (torch.randn(shape, generator=gen, dtype=torch.float64) * 2 + 0.5 for _ in range(2))
+    w, b = (torch.randn(shape[-1], generator=gen, dtype=torch.float64) for _ in range(2))
+    block_n = next_power_of_2(shape[-1])
+    for op, is_rms, args, fn in (("rms_norm", True, (x, w), lambda x, w: rms_norm_reference(x, w, 1e-6)),
+                                 ("layer_norm", False, (x, w, b), lambda x, w, b: layer_norm_reference(x, w, b, 1e-5))):
+        ref, ref_grads = gradients(fn, [leaf(t, CPU, x.dtype) for t in args], [dy])
+        extra = (1e-6, 0.0, False) if is_rms else (1e-5,)
+        for config in (norm_tuning._bwd_candidates(is_rms)(block_n, shape[0])[0],
+                       norm_tuning.unpipelined_backward(block_n, is_rms)):
+            monkeypatch.setattr(norm._BACKWARD[is_rms, True], "candidates", lambda *bucket, c=config: [c])
+            autotune.clear_cache(files=False)
+            inputs = [leaf(t, triton_device, torch.float32) for t in args]
+            out, grads = gradients(lambda *t: call(op, "triton", *t, *extra), inputs, [dy])
+            check_close(f"{op} y", out, ref, torch.float32)
+            for i, (got, want) in enumerate(zip(grads, ref_grads)):
+                check_close(f"{op} grad {i} with {config}", got, want, torch.float32)
 
 
 @pytest.mark.parametrize("layout", ["contiguous", "halves"])

@@ -11,7 +11,8 @@ Where the time goes in simpler kernels, and what these do instead:
   multiprocessor); each program walks its share of rows, keeps its partial column sums in registers, and writes
   them once; one small kernel sums the programs' rows of both gradients and rounds them to the parameters' dtype.
   With few programs per multiprocessor, each one loads its next tiles while it computes the current one (a
-  software-pipelined row loop, ``stages`` in the launch configuration): on an H200 at 8192 rows bf16 that took the
+  software-pipelined row loop, ``stages`` in the launch configuration; NVIDIA GPUs only, where it was measured, and
+  while its tiles fit in shared memory): on an H200 at 8192 rows bf16 that took the
   backward 21-30% below its best unpipelined launch at 2048-8192 columns for LayerNorm and 10-21% for RMSNorm, and
   made no launch faster at 16384 (``benchmarks/RESULTS.md``, issue 23).
   Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice, once for dx and once for the
@@ -32,12 +33,13 @@ import triton
 import triton.language as tl
 
 from .. import _autograd, registry
-from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view, shared_memory_per_program
+from . import autotune, cdiv, multiprocessor_count, next_power_of_2, nvidia, rows_view, shared_memory_per_program
 from .launch import Kernel
 from .norm_chunked import (add_weight_gradients, bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel,
                            input_gradient, store_weight_gradients)
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
+from .norm_tuning import unpipelined_backward
 
 __all__ = ["MAX_FUSED", "backward", "layer_norm", "rms_norm"]
 
@@ -213,9 +215,9 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     device = rows.device
     if _wide_backward(n, stats.is_rms):
         return _launch_wide_backward(config, rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
-    block_m = config["BLOCK_M"]
     block_n = next_power_of_2(n)
-    stages = _stages(config.get("stages", 1), block_m * block_n, rows.element_size() + dy_rows.element_size(), device)
+    config = _pipelined(config, block_n, rows.element_size() + dy_rows.element_size(), device, stats.is_rms)
+    block_m = config["BLOCK_M"]
     programs = min(cdiv(m, block_m), multiprocessor_count(device) * config["per_sm"])
     dw = torch.empty((programs, n), dtype=torch.float32, device=device) if want_dw else None
     db = torch.empty((programs, n), dtype=torch.float32, device=device) if want_db else None
@@ -225,7 +227,7 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
                 stats.mean if stats.mean is not None else rstd, rstd, dw if want_dw else rstd,
                 db if want_db else rstd, m, n, rows.stride(0), dy_rows.stride(0), n, offset, stats.eps,
                 IS_RMS=stats.is_rms, HAS_W=weight is not None, WANT_DW=want_dw, WANT_DB=want_db,
-                HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=stages,
+                HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=config.get("stages", 1),
                 num_warps=config["num_warps"])
     return dw, db
 
@@ -233,14 +235,21 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
 _REDUCTION_BYTES = 16 * 1024  # shared memory kept free for the kernel's row reductions beside the buffered tiles
 
 
-def _stages(stages: int, tile: int, bytes_per_value: int, device: torch.device) -> int:
-    """``stages`` of the backward's row loop, or 1 where the tiles it buffers (``stages - 1`` tiles of ``tile``
-    values of x and dy) would not fit in a program's shared memory on ``device`` (float32 rows on a GPU with less
-    than an H100's): the launch then runs unpipelined instead of failing to compile."""
+def _pipelined(config: autotune.Config, block_n: int, bytes_per_value: int, device: torch.device,
+               is_rms: bool) -> autotune.Config:
+    """``config`` where its row loop may be pipelined on ``device``, else the unpipelined heuristic of these rows
+    (:func:`.norm_tuning.unpipelined_backward`, faster than the pipelined launch's shape without its stages).
+    Pipelined: on NVIDIA GPUs, where the stages were measured, while the tiles it buffers (``stages - 1`` tiles of
+    ``BLOCK_M x block_n`` values of x and dy) fit in a program's shared memory (not float32 rows on a GPU with less
+    than an H100's); and under Triton's interpreter, which ignores the stages, so that the CPU tests run that code."""
+    stages = config.get("stages", 1)
+    if stages <= 1 or device.type == "cpu":
+        return config
     limit = shared_memory_per_program(device)
-    if stages > 1 and limit is not None and (stages - 1) * tile * bytes_per_value + _REDUCTION_BYTES > limit:
-        return 1
-    return stages
+    need = (stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES
+    if nvidia(device) and limit is not None and need <= limit:
+        return config
+    return unpipelined_backward(block_n, is_rms)
 
 
 def _launch_wide_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,

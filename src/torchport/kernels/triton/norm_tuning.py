@@ -7,7 +7,7 @@ from collections.abc import Callable
 
 from . import autotune, next_power_of_2
 
-__all__ = ["BACKWARD", "FORWARD"]
+__all__ = ["BACKWARD", "FORWARD", "unpipelined_backward"]
 
 # Launch configurations. The tuner (autotune.py) times these candidates once per bucket — the row width rounded up
 # to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
@@ -56,18 +56,25 @@ def _bwd_launch(block_m: int, num_warps: int, per_sm: int, stages: int) -> autot
     return {"BLOCK_M": block_m, "num_warps": num_warps, "per_sm": per_sm, "stages": stages}
 
 
+def unpipelined_backward(block_n: int, is_rms: bool) -> autotune.Config:
+    """The one-kernel backward's launch without a pipelined row loop: the earlier heuristic from 2048 to 8192 columns
+    (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16 warps, LayerNorm 2 rows x 8 warps,
+    one per SM), the heuristic elsewhere. Taken where the pipelined launch cannot run (see ``norm._pipelined``)."""
+    m, w, p, s = _bwd_heuristic(block_n, is_rms)
+    if s == 1:
+        return _bwd_launch(m, w, p, s)
+    return _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
+
+
 def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
     def candidates(block_n: int, rows: int) -> list[autotune.Config]:
         m, w, p, s = _bwd_heuristic(block_n, is_rms)
         if s > 1:
-            # the earlier heuristics (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16
-            # warps, LayerNorm 2 rows x 8 warps, one per SM), then the pipelined loop around the heuristic: half
-            # the rows, twice the warps, two programs of half the rows per SM (LayerNorm 4096 columns on the H200:
-            # 1 row x 8 warps x 2 per SM, 57.5 us). Not twice the rows: in float32 its buffered tiles (256 KiB) pass
-            # an H200's shared memory.
-            old = _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else \
-                _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
-            return autotune.distinct([_bwd_launch(m, w, p, s), old, _bwd_launch(max(1, m // 2), w, p, s),
+            # the earlier heuristic, then the pipelined loop around the heuristic: half the rows, twice the warps,
+            # two programs of half the rows per SM (LayerNorm 4096 columns on the H200: 1 row x 8 warps x 2 per SM,
+            # 57.5 us). Not twice the rows: in float32 its buffered tiles (256 KiB) pass an H200's shared memory.
+            return autotune.distinct([_bwd_launch(m, w, p, s), unpipelined_backward(block_n, is_rms),
+                                      _bwd_launch(max(1, m // 2), w, p, s),
                                       _bwd_launch(m, 2 * w, p, s), _bwd_launch(max(1, m // 2), w, 2, s)])
         return autotune.distinct([
             _bwd_launch(m, w, p, s),
