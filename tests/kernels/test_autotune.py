@@ -506,20 +506,21 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
     assert norm_tuning.unpipelined_backward(4096, False) == {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 1}
     heuristic = {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 3}
     gpu = torch.device("cuda", 0)
-    monkeypatch.setattr(norm, "nvidia", lambda device: True)
-    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 227 * 1024)
-    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) is heuristic
-    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, True) is heuristic
-    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 99 * 1024)
-    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) is heuristic
-    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, True) == norm_tuning.unpipelined_backward(4096, True)
-    assert norm._pipelined(heuristic, 4096, 4 + 4, gpu, False) == norm_tuning.unpipelined_backward(4096, False)
+    launch, unpipelined = norm_tuning.backward_launch, norm_tuning.unpipelined_backward
+    monkeypatch.setattr(norm_tuning, "nvidia", lambda device: True)
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 227 * 1024)
+    assert launch(heuristic, 4096, 2 + 2, gpu, True) is heuristic
+    assert launch(heuristic, 4096, 4 + 4, gpu, True) is heuristic
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 99 * 1024)
+    assert launch(heuristic, 4096, 2 + 2, gpu, True) is heuristic
+    assert launch(heuristic, 4096, 4 + 4, gpu, True) == unpipelined(4096, True)
+    assert launch(heuristic, 4096, 4 + 4, gpu, False) == unpipelined(4096, False)
     one_stage = dict(heuristic, stages=1)
-    assert norm._pipelined(one_stage, 4096, 4 + 4, gpu, True) is one_stage
-    monkeypatch.setattr(norm, "nvidia", lambda device: False)  # a ROCm GPU: not measured there
-    monkeypatch.setattr(norm, "shared_memory_per_program", lambda device: 227 * 1024)
-    assert norm._pipelined(heuristic, 4096, 2 + 2, gpu, True) == norm_tuning.unpipelined_backward(4096, True)
-    assert norm._pipelined(heuristic, 4096, 4 + 4, torch.device("cpu"), True) is heuristic
+    assert launch(one_stage, 4096, 4 + 4, gpu, True) is one_stage
+    monkeypatch.setattr(norm_tuning, "nvidia", lambda device: False)  # a ROCm GPU: not measured there
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 227 * 1024)
+    assert launch(heuristic, 4096, 2 + 2, gpu, True) == unpipelined(4096, True)
+    assert launch(heuristic, 4096, 4 + 4, torch.device("cpu"), True) is heuristic
 
 
 @pytest.mark.parametrize("shape", [(37, 2000), (9, 4100)], ids=["2048 columns", "8192 columns"])

@@ -33,13 +33,13 @@ import triton
 import triton.language as tl
 
 from .. import _autograd, registry
-from . import autotune, cdiv, multiprocessor_count, next_power_of_2, nvidia, rows_view, shared_memory_per_program
+from . import autotune, cdiv, multiprocessor_count, next_power_of_2, rows_view
 from .launch import Kernel
 from .norm_chunked import (add_weight_gradients, bwd_columns_kernel, bwd_row_sums_kernel, fwd_chunked_kernel,
                            input_gradient, store_weight_gradients)
 from .norm_tuning import BACKWARD as _BACKWARD
 from .norm_tuning import FORWARD as _FORWARD
-from .norm_tuning import unpipelined_backward
+from .norm_tuning import backward_launch
 
 __all__ = ["MAX_FUSED", "backward", "layer_norm", "rms_norm"]
 
@@ -216,7 +216,7 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
     if _wide_backward(n, stats.is_rms):
         return _launch_wide_backward(config, rows, weight, dy_rows, dx, stats, offset, want_dw, want_db)
     block_n = next_power_of_2(n)
-    config = _pipelined(config, block_n, rows.element_size() + dy_rows.element_size(), device, stats.is_rms)
+    config = backward_launch(config, block_n, rows.element_size() + dy_rows.element_size(), device, stats.is_rms)
     block_m = config["BLOCK_M"]
     programs = min(cdiv(m, block_m), multiprocessor_count(device) * config["per_sm"])
     dw = torch.empty((programs, n), dtype=torch.float32, device=device) if want_dw else None
@@ -230,26 +230,6 @@ def _launch_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.
                 HAS_STATS=stats.rstd is not None, BLOCK_M=block_m, BLOCK_N=block_n, STAGES=config.get("stages", 1),
                 num_warps=config["num_warps"])
     return dw, db
-
-
-_REDUCTION_BYTES = 16 * 1024  # shared memory kept free for the kernel's row reductions beside the buffered tiles
-
-
-def _pipelined(config: autotune.Config, block_n: int, bytes_per_value: int, device: torch.device,
-               is_rms: bool) -> autotune.Config:
-    """``config`` where its row loop may be pipelined on ``device``, else the unpipelined heuristic of these rows
-    (:func:`.norm_tuning.unpipelined_backward`, faster than the pipelined launch's shape without its stages).
-    Pipelined: on NVIDIA GPUs, where the stages were measured, while the tiles it buffers (``stages - 1`` tiles of
-    ``BLOCK_M x block_n`` values of x and dy) fit in a program's shared memory (not float32 rows on a GPU with less
-    than an H100's); and under Triton's interpreter, which ignores the stages, so that the CPU tests run that code."""
-    stages = config.get("stages", 1)
-    if stages <= 1 or device.type == "cpu":
-        return config
-    limit = shared_memory_per_program(device)
-    need = (stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES
-    if nvidia(device) and limit is not None and need <= limit:
-        return config
-    return unpipelined_backward(block_n, is_rms)
 
 
 def _launch_wide_backward(config: autotune.Config, rows: torch.Tensor, weight: torch.Tensor | None,

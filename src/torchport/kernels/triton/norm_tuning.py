@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from . import autotune, next_power_of_2
+import torch
 
-__all__ = ["BACKWARD", "FORWARD", "unpipelined_backward"]
+from . import autotune, next_power_of_2, nvidia, shared_memory_per_program
+
+__all__ = ["BACKWARD", "FORWARD", "backward_launch", "unpipelined_backward"]
 
 # Launch configurations. The tuner (autotune.py) times these candidates once per bucket — the row width rounded up
 # to a power of two (the fused kernels' BLOCK_N) and a coarse row count — and keeps the fastest; the first of each
@@ -59,11 +61,31 @@ def _bwd_launch(block_m: int, num_warps: int, per_sm: int, stages: int) -> autot
 def unpipelined_backward(block_n: int, is_rms: bool) -> autotune.Config:
     """The one-kernel backward's launch without a pipelined row loop: the earlier heuristic from 2048 to 8192 columns
     (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16 warps, LayerNorm 2 rows x 8 warps,
-    one per SM), the heuristic elsewhere. Taken where the pipelined launch cannot run (see ``norm._pipelined``)."""
+    one per SM), the heuristic elsewhere. Taken where the pipelined launch cannot run (:func:`backward_launch`)."""
     m, w, p, s = _bwd_heuristic(block_n, is_rms)
     if s == 1:
         return _bwd_launch(m, w, p, s)
     return _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
+
+
+_REDUCTION_BYTES = 16 * 1024  # shared memory kept free for the kernel's row reductions beside the buffered tiles
+
+
+def backward_launch(config: autotune.Config, block_n: int, bytes_per_value: int, device: torch.device,
+                    is_rms: bool) -> autotune.Config:
+    """``config`` where its row loop may be pipelined on ``device``, else the unpipelined heuristic of these rows
+    (:func:`unpipelined_backward`, faster than the pipelined launch's shape without its stages).
+    Pipelined: on NVIDIA GPUs, where the stages were measured, while the tiles it buffers (``stages - 1`` tiles of
+    ``BLOCK_M x block_n`` values of x and dy) fit in a program's shared memory (not float32 rows on a GPU with less
+    than an H100's); and under Triton's interpreter, which ignores the stages, so that the CPU tests run that code."""
+    stages = config.get("stages", 1)
+    if stages <= 1 or device.type == "cpu":
+        return config
+    limit = shared_memory_per_program(device)
+    need = (stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES
+    if nvidia(device) and limit is not None and need <= limit:
+        return config
+    return unpipelined_backward(block_n, is_rms)
 
 
 def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
