@@ -493,15 +493,25 @@ def test_every_norm_candidate_matches_the_reference(chunked, shape, triton_devic
 
 def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypatch):
     """The heuristic of 2048-8192 columns buffers two tiles of 8192 values of x and dy: 64 KiB in bf16, 128 KiB in
-    float32. Where they do not fit (float32 on an RTX 4090's 99 KiB a program), or off NVIDIA GPUs, the launch takes
-    the earlier unpipelined heuristic instead; the interpreter keeps the stages (it ignores them)."""
+    float32 (1024 columns: two tiles of 2048 values). Where they do not fit (float32 on an RTX 4090's 99 KiB a
+    program), or off NVIDIA GPUs, the launch takes the earlier unpipelined heuristic instead; the interpreter keeps
+    the stages (it ignores them)."""
     from torchport.kernels.triton import norm_tuning
 
     for block_n in (2048, 4096, 8192):
         for is_rms in (True, False):
             m, w, p, s = norm_tuning._bwd_heuristic(block_n, is_rms)
             assert (m * block_n, w, p, s) == (8192, 8, 1, 3)
-    assert norm_tuning._bwd_heuristic(16384, True)[3] == norm_tuning._bwd_heuristic(1024, False)[3] == 1
+    for is_rms in (True, False):
+        assert norm_tuning._bwd_heuristic(1024, is_rms) == (2, 4, 4, 3)
+        assert norm_tuning.unpipelined_backward(1024, is_rms) == {"BLOCK_M": 2, "num_warps": 4, "per_sm": 4,
+                                                                  "stages": 1}
+        candidates = norm_tuning._bwd_candidates(is_rms)(1024, 8192)
+        assert candidates[:2] == [{"BLOCK_M": 2, "num_warps": 4, "per_sm": 4, "stages": 3},
+                                  norm_tuning.unpipelined_backward(1024, is_rms)]
+        # no candidate buffers more than the heuristic's tiles, nor runs more programs per multiprocessor
+        assert all(c["BLOCK_M"] * c["per_sm"] <= 8 and c["per_sm"] <= 4 for c in candidates)
+    assert norm_tuning._bwd_heuristic(16384, True)[3] == norm_tuning._bwd_heuristic(512, False)[3] == 1
     assert norm_tuning.unpipelined_backward(4096, True) == {"BLOCK_M": 4, "num_warps": 16, "per_sm": 1, "stages": 1}
     assert norm_tuning.unpipelined_backward(4096, False) == {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 1}
     heuristic = {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 3}
@@ -523,7 +533,8 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
     assert launch(heuristic, 4096, 4 + 4, torch.device("cpu"), True) is heuristic
 
 
-@pytest.mark.parametrize("shape", [(37, 2000), (9, 4100)], ids=["2048 columns", "8192 columns"])
+@pytest.mark.parametrize("shape", [(45, 1000), (37, 2000), (9, 4100)], ids=["1024 columns", "2048 columns",
+                                                                           "8192 columns"])
 def test_pipelined_norm_backward_walks_many_rows_per_program(shape, triton_device, monkeypatch):
     """One program per multiprocessor and a single multiprocessor: each program's row loop runs many steps, the last
     one over a part tile, with the pipelined heuristic and with the earlier one."""

@@ -13,8 +13,10 @@ Where the time goes in simpler kernels, and what these do instead:
   With few programs per multiprocessor, each one loads its next tiles while it computes the current one (a
   software-pipelined row loop, ``stages`` in the launch configuration; NVIDIA GPUs only, where it was measured, and
   while its tiles fit in shared memory): on an H200 at 8192 rows bf16 that took the
-  backward 21-30% below its best unpipelined launch at 2048-8192 columns for LayerNorm and 10-21% for RMSNorm, and
-  made no launch faster at 16384 (``benchmarks/RESULTS.md``, issue 23).
+  backward 21-30% below its best unpipelined launch at 2048-8192 columns for LayerNorm and 10-21% for RMSNorm
+  (8-15% at 1024, four programs per SM), and made no launch faster at 256 or 16384 (``benchmarks/RESULTS.md``,
+  issue 23). The forward, a program per row block with many programs per SM, took 2-8% more time than one
+  elementwise pass over its bytes at 1024-16384 columns; a pipelined persistent forward was slower at every width.
   Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice, once for dx and once for the
   weight gradient).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.

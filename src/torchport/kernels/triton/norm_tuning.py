@@ -51,7 +51,10 @@ def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int, int]:
         return min(4, 8192 // block_n), 8, 1, 3
     block_m, num_warps = _fwd_heuristic(block_n)
     per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
-    return block_m, num_warps, per_sm, 1
+    # 1024 columns (2 rows x 4 warps, 4 per SM): 3 stages took 19.4 / 19.1 us (RMSNorm / LayerNorm) against 21.0 /
+    # 22.6 unpipelined on an H200, 8192 rows bf16; at 256 columns no stage count beat the loop as it is
+    # (results/issue23/fwd_stages_h200.json)
+    return block_m, num_warps, per_sm, 3 if block_n == 1024 else 1
 
 
 def _bwd_launch(block_m: int, num_warps: int, per_sm: int, stages: int) -> autotune.Config:
@@ -61,10 +64,11 @@ def _bwd_launch(block_m: int, num_warps: int, per_sm: int, stages: int) -> autot
 def unpipelined_backward(block_n: int, is_rms: bool) -> autotune.Config:
     """The one-kernel backward's launch without a pipelined row loop: the earlier heuristic from 2048 to 8192 columns
     (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16 warps, LayerNorm 2 rows x 8 warps,
-    one per SM), the heuristic elsewhere. Taken where the pipelined launch cannot run (:func:`backward_launch`)."""
+    one per SM), the heuristic with its loop unpipelined elsewhere. Taken where the pipelined launch cannot run
+    (:func:`backward_launch`)."""
     m, w, p, s = _bwd_heuristic(block_n, is_rms)
-    if s == 1:
-        return _bwd_launch(m, w, p, s)
+    if s == 1 or block_n < 2048:
+        return _bwd_launch(m, w, p, 1)
     return _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
 
 
@@ -91,6 +95,12 @@ def backward_launch(config: autotune.Config, block_n: int, bytes_per_value: int,
 def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
     def candidates(block_n: int, rows: int) -> list[autotune.Config]:
         m, w, p, s = _bwd_heuristic(block_n, is_rms)
+        if s > 1 and block_n < 2048:
+            # the loop unpipelined, two warps, twice the rows at half the programs, half the rows (1024 columns on
+            # the H200: 18.8 / 20.2 / 20.1 us RMSNorm, 18.9 / 19.3 / 22.7 LayerNorm)
+            return autotune.distinct([_bwd_launch(m, w, p, s), unpipelined_backward(block_n, is_rms),
+                                      _bwd_launch(m, max(1, w // 2), p, s), _bwd_launch(2 * m, w, max(1, p // 2), s),
+                                      _bwd_launch(max(1, m // 2), w, p, s)])
         if s > 1:
             # the earlier heuristic, then the pipelined loop around the heuristic: half the rows, twice the warps,
             # two programs of half the rows per SM (LayerNorm 4096 columns on the H200: 1 row x 8 warps x 2 per SM,
