@@ -8,7 +8,7 @@ from torchport.kernels.rms_norm import rms_norm_reference
 
 from kernel_cases import call, call_backward, check_close, gradients, leaf, on_chip
 
-SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (2, 65537)]
+SHAPES = [(1, 1), (3, 5, 123), (2, 7, 4097), (3, 9001), (2, 65537)]  # 9001: the one-kernel backward reading w per tile
 
 
 def _case(shape, device, dtype, offset=0.0, seed=0):
