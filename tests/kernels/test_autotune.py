@@ -533,6 +533,29 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
     assert launch(heuristic, 4096, 4 + 4, torch.device("cpu"), True) is heuristic
 
 
+def test_norm_backward_logs_once_why_it_runs_unpipelined(monkeypatch, caplog):
+    from torchport.kernels.triton import norm_tuning
+
+    monkeypatch.setenv("TORCHPORT_LOG", "kernels")
+    monkeypatch.setattr(norm_tuning, "_LOGGED_FALLBACKS", set())
+    monkeypatch.setattr(norm_tuning, "nvidia", lambda device: True)
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 99 * 1024)
+    heuristic = {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 3}
+    gpu = torch.device("cuda", 0)
+    with caplog.at_level("INFO", logger="torchport.kernels"):
+        for _ in range(3):  # every backward call asks; the reason is logged once per device and shape
+            norm_tuning.backward_launch(heuristic, 4096, 4 + 4, gpu, True)
+        norm_tuning.backward_launch(heuristic, 4096, 2 + 2, gpu, True)  # fits: nothing to say
+        monkeypatch.setattr(norm_tuning, "nvidia", lambda device: False)
+        norm_tuning.backward_launch(heuristic, 2048, 2 + 2, gpu, False)
+    messages = [r.getMessage() for r in caplog.records if r.name == "torchport.kernels"]
+    assert len(messages) == 2, messages
+    assert messages[0].startswith("rms_norm backward, 4096 columns, 8 bytes per x + dy value on cuda:0: its buffered "
+                                  "tiles need 147456 bytes of shared memory, the device allows 101376 a program")
+    assert "running {'BLOCK_M': 4, 'num_warps': 16, 'per_sm': 1, 'stages': 1} instead of" in messages[0]
+    assert messages[1].startswith("layer_norm backward, 2048 columns") and "not an NVIDIA GPU" in messages[1]
+
+
 @pytest.mark.parametrize("shape", [(45, 1000), (37, 2000), (9, 4100)], ids=["1024 columns", "2048 columns",
                                                                            "8192 columns"])
 def test_pipelined_norm_backward_walks_many_rows_per_program(shape, triton_device, monkeypatch):

@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import torch
 
+from ... import _logging
 from . import autotune, next_power_of_2, nvidia, shared_memory_per_program
 
 __all__ = ["BACKWARD", "FORWARD", "backward_launch", "unpipelined_backward"]
@@ -87,9 +88,23 @@ def backward_launch(config: autotune.Config, block_n: int, bytes_per_value: int,
         return config
     limit = shared_memory_per_program(device)
     need = (stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES
-    if nvidia(device) and limit is not None and need <= limit:
+    is_nvidia = nvidia(device)
+    if is_nvidia and limit is not None and need <= limit:
         return config
-    return unpipelined_backward(block_n, is_rms)
+    fallback = unpipelined_backward(block_n, is_rms)
+    key = (device.type, device.index, block_n, bytes_per_value, is_rms)
+    if key not in _LOGGED_FALLBACKS:  # once per device and row shape: the call is on every backward's path
+        _LOGGED_FALLBACKS.add(key)
+        why = ("not an NVIDIA GPU, where the pipelined loop was not measured" if not is_nvidia
+               else "the device's shared memory per program is unknown" if limit is None
+               else f"its buffered tiles need {need} bytes of shared memory, the device allows {limit} a program")
+        _logging.log("kernels", "%s backward, %d columns, %d bytes per x + dy value on %s: %s; running %s instead "
+                     "of %s", "rms_norm" if is_rms else "layer_norm", block_n, bytes_per_value, device, why,
+                     fallback, config)
+    return fallback
+
+
+_LOGGED_FALLBACKS: set[tuple[object, ...]] = set()
 
 
 def _bwd_candidates(is_rms: bool) -> Callable[[int, int], list[autotune.Config]]:
