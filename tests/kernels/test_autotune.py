@@ -266,6 +266,32 @@ def test_stale_entry_is_tuned_again(monkeypatch):
     assert [e["config"] for e in autotune.entries()] == [{"x": 1}]
 
 
+def test_entry_chosen_among_other_candidates_is_tuned_again(monkeypatch):
+    """A cached choice that is still a candidate is timed once more when the candidates it was chosen among changed
+    (a release added one); the same candidates in another order, or a hand-written entry without timings, keep it."""
+    calls = []
+    monkeypatch.setattr(autotune, "timer", _timer({0: 3.0, 1: 1.0, 2: 2.0, 3: 0.5}, calls))
+    name = f"test.kernel{next(_names)}"
+    old = _tunable(CONFIGS, name=name)
+    assert old.tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 1} and len(calls) == 3
+    for configs, timed, chosen in ((CONFIGS[::-1], 0, {"x": 1}), (CONFIGS + [{"x": 3}], 4, {"x": 3})):
+        autotune._tunables.pop(name)
+        autotune.clear_cache(files=False)
+        calls.clear()
+        assert _tunable(configs, name=name).tune(CPU, torch.float32, (8,), lambda c: None) == chosen
+        assert len(calls) == timed
+    path = autotune.cache_path(CPU)
+    data = json.loads(open(path).read())
+    [key] = data["entries"]
+    data["entries"][key] = {"config": {"x": 2}, "ms": 0.5}  # no record of what it was chosen among
+    with open(path, "w") as f:
+        json.dump(data, f)
+    autotune._tunables.pop(name)
+    autotune.clear_cache(files=False)
+    calls.clear()
+    assert _tunable(CONFIGS, name=name).tune(CPU, torch.float32, (8,), lambda c: None) == {"x": 2} and calls == []
+
+
 def test_duplicate_tunable_name_is_refused():
     tunable = _tunable(CONFIGS)
     with pytest.raises(ValueError, match=f"{tunable.name}.*already exists"):
@@ -525,6 +551,16 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
     assert launch(heuristic, 4096, 2 + 2, gpu, True) is heuristic
     assert launch(heuristic, 4096, 4 + 4, gpu, True) == unpipelined(4096, True)
     assert launch(heuristic, 4096, 4 + 4, gpu, False) == unpipelined(4096, False)
+    # 1024 columns, four programs per multiprocessor: 4 x 32 KiB in bf16 pass an RTX 4090's 99 KiB, fit an H100's
+    short = {"BLOCK_M": 2, "num_warps": 4, "per_sm": 4, "stages": 3}
+    assert launch(short, 1024, 2 + 2, gpu, True) == dict(short, stages=1) == unpipelined(1024, True)
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 227 * 1024)
+    assert launch(short, 1024, 2 + 2, gpu, True) is short
+    assert launch(short, 1024, 4 + 4, gpu, False) is short  # float32: 4 x 48 KiB
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 163 * 1024)  # an A100
+    assert launch(short, 1024, 4 + 4, gpu, False) == unpipelined(1024, False)
+    assert launch(short, 1024, 2 + 2, gpu, False) is short
+    monkeypatch.setattr(norm_tuning, "shared_memory_per_program", lambda device: 99 * 1024)
     one_stage = dict(heuristic, stages=1)
     assert launch(one_stage, 4096, 4 + 4, gpu, True) is one_stage
     monkeypatch.setattr(norm_tuning, "nvidia", lambda device: False)  # a ROCm GPU: not measured there
@@ -550,8 +586,9 @@ def test_norm_backward_logs_once_why_it_runs_unpipelined(monkeypatch, caplog):
         norm_tuning.backward_launch(heuristic, 2048, 2 + 2, gpu, False)
     messages = [r.getMessage() for r in caplog.records if r.name == "torchport.kernels"]
     assert len(messages) == 2, messages
-    assert messages[0].startswith("rms_norm backward, 4096 columns, 8 bytes per x + dy value on cuda:0: its buffered "
-                                  "tiles need 147456 bytes of shared memory, the device allows 101376 a program")
+    assert messages[0].startswith("rms_norm backward, 4096 columns, 8 bytes per x + dy value on cuda:0: the buffered "
+                                  "tiles of its 1 program(s) per multiprocessor need 147456 bytes of shared memory, "
+                                  "the device has 101376")
     assert "running {'BLOCK_M': 4, 'num_warps': 16, 'per_sm': 1, 'stages': 1} instead of" in messages[0]
     assert messages[1].startswith("layer_norm backward, 2048 columns") and "not an NVIDIA GPU" in messages[1]
 

@@ -7,7 +7,8 @@ times every candidate on the device (median device time, L2 cleared before each 
 device so that host time is not counted: ``_do_bench``), keeps the fastest, and writes it to a JSON file in
 ``torchport.settings.cache_dir()``/``autotune`` (``TORCHPORT_CACHE_DIR``), one file per device model, Triton version,
 torchport version and timing method. Later launches in the process find it in a dict keyed by the exact sizes
-(``Tunable.lookup``); later processes read it from the file and time nothing.
+(``Tunable.lookup``); later processes read it from the file and time nothing, unless the bucket's candidates have
+changed since (a new release's): then it is timed once more.
 
 Where nothing can be timed — Triton's interpreter on the CPU (``TRITON_INTERPRET=1``), a device without events,
 inside ``torch.compile`` tracing or CUDA-graph capture — the heuristic is used and nothing is written.
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import logging
 import math
 import os
@@ -216,11 +218,22 @@ def _measure(key: str, candidates: list[Config], launch: Launch, time_one: Calla
 
 
 def _valid_config(entry: Any, candidates: list[Config]) -> Config | None:
-    """The entry's configuration if it is one of today's candidates (a stale or damaged entry is re-tuned)."""
+    """The entry's configuration if it is one of today's candidates and was chosen among exactly today's candidates
+    (the configurations it timed and those that failed); a stale, damaged or differently chosen entry is re-tuned,
+    so that a release that adds or changes candidates times them once."""
     if not isinstance(entry, dict):
         return None
     config = entry.get("config")
-    return next((c for c in candidates if c == config), None)
+    chosen = next((c for c in candidates if c == config), None)
+    tried = [t.get("config") for part in ("timings", "failed") for t in entry.get(part) or ()
+             if isinstance(t, dict)]
+    if chosen is not None and tried and _as_set(tried) != _as_set(candidates):
+        return None
+    return chosen
+
+
+def _as_set(configs: list[Any]) -> set[str]:
+    return {json.dumps(c, sort_keys=True) for c in configs}
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------

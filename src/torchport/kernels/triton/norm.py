@@ -12,10 +12,11 @@ Where the time goes in simpler kernels, and what these do instead:
   them once; one small kernel sums the programs' rows of both gradients and rounds them to the parameters' dtype.
   Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice). With few programs per
   multiprocessor, each loads its next tiles while it computes the current one (``stages``; NVIDIA GPUs only, where
-  it was measured, while its tiles fit in shared memory): on an H200 at 8192 rows bf16, 10-30% less time at
-  1024-8192 columns, none at 256 or 16384. From 16384 columns the weight is read again per tile instead of held in
-  registers (RMSNorm 16384: 10% less time). The forward, a program per row block with many programs per SM, took
-  2-8% more time than one elementwise pass over its bytes at 1024-16384 columns (``benchmarks/RESULTS.md``, issue 23).
+  it was measured, while its tiles fit in shared memory): on an H200 at 8192 rows bf16, 8-30% less time at
+  1024-8192 columns, at most 2% at 256, none at 16384. From 16384 columns the weight is read again per tile
+  instead of held in registers (RMSNorm 16384: 10% less time). The forward, a program per row block with many
+  programs per SM, took 2-8% more time than one elementwise pass over its bytes at 1024-16384 columns
+  (``benchmarks/RESULTS.md``, issue 23).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.
 * Rows longer than ``MAX_FUSED`` columns do not fit in registers; they, and LayerNorm's backward past half of
   that, take the wide-row kernels of :mod:`.norm_chunked`: a forward that walks each row twice, a backward of two
@@ -43,8 +44,7 @@ from .norm_tuning import backward_launch
 __all__ = ["MAX_FUSED", "backward", "layer_norm", "rms_norm"]
 
 MAX_FUSED = 16384  # longest row (elements) held in registers by one program
-# From this width the one-kernel backward reads the weight per tile: RMSNorm's at 8192 x 16384 bf16 took 267-273 us
-# against 296-299 with it in registers on an H200, at 8 and 16 warps (results/issue23/wide_bwd_h200.json)
+# From this width the one-kernel backward reads the weight per tile (results/issue23/wide_bwd_h200.json)
 _W_RELOAD_WIDTH = tl.constexpr(16384)
 
 
@@ -207,8 +207,8 @@ def _forward(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | 
 def _wide_backward(n: int, is_rms: bool) -> bool:
     """Whether rows of ``n`` columns take the two-kernel backward of :mod:`.norm_chunked`: those past
     ``MAX_FUSED``, and LayerNorm's past half of it: its one-kernel backward (two weight-gradient rows in registers
-    beside the tile) took 0.95 ms at 8192 x 16384 bf16 on an H100 at its tuner's best, RMSNorm's 0.34 ms; on an H200,
-    reading the weight per tile, 445 us against the two kernels' 331."""
+    beside the tile) took 0.95 ms at 8192 x 16384 bf16 on an H100, RMSNorm's 0.34; on an H200 reading the weight
+    per tile, 445 us against the two kernels' 331."""
     return n > (MAX_FUSED if is_rms else MAX_FUSED // 2)
 
 

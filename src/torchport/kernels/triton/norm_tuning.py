@@ -53,7 +53,7 @@ def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int, int]:
     block_m, num_warps = _fwd_heuristic(block_n)
     per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
     # 1024 columns (2 rows x 4 warps, 4 per SM): 3 stages took 19.4 / 19.1 us (RMSNorm / LayerNorm) against 21.0 /
-    # 22.6 unpipelined on an H200, 8192 rows bf16; at 256 columns no stage count beat the loop as it is
+    # 22.6 unpipelined on an H200, 8192 rows bf16; at 256 columns the stages moved the best launch by 2% at most
     # (results/issue23/fwd_stages_h200.json)
     return block_m, num_warps, per_sm, 3 if block_n == 1024 else 1
 
@@ -80,24 +80,30 @@ def backward_launch(config: autotune.Config, block_n: int, bytes_per_value: int,
                     is_rms: bool) -> autotune.Config:
     """``config`` where its row loop may be pipelined on ``device``, else the unpipelined heuristic of these rows
     (:func:`unpipelined_backward`, faster than the pipelined launch's shape without its stages).
-    Pipelined: on NVIDIA GPUs, where the stages were measured, while the tiles it buffers (``stages - 1`` tiles of
-    ``BLOCK_M x block_n`` values of x and dy) fit in a program's shared memory (not float32 rows on a GPU with less
-    than an H100's); and under Triton's interpreter, which ignores the stages, so that the CPU tests run that code."""
+    Pipelined: on NVIDIA GPUs, where the stages were measured, while the tiles that its ``per_sm`` programs buffer
+    (``stages - 1`` tiles of ``BLOCK_M x block_n`` values of x and dy each) fit in the shared memory of one
+    multiprocessor, taken as what Triton's driver allows one program (not float32 rows on a GPU with less than an
+    H100's, nor 1024 columns at four programs per multiprocessor in bf16 below 128 KiB); and under Triton's
+    interpreter, which ignores the stages, so that the CPU tests run that code."""
     stages = config.get("stages", 1)
     if stages <= 1 or device.type == "cpu":
         return config
     limit = shared_memory_per_program(device)
-    need = (stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES
+    per_sm = config["per_sm"]
+    need = per_sm * ((stages - 1) * config["BLOCK_M"] * block_n * bytes_per_value + _REDUCTION_BYTES)
     is_nvidia = nvidia(device)
+    # a persistent grid whose programs do not all fit on their multiprocessors at once would run in two waves
     if is_nvidia and limit is not None and need <= limit:
         return config
     fallback = unpipelined_backward(block_n, is_rms)
-    key = (device.type, device.index, block_n, bytes_per_value, is_rms)
-    if key not in _LOGGED_FALLBACKS:  # once per device and row shape: the call is on every backward's path
+    key = (device.type, device.index, block_n, bytes_per_value, is_rms, per_sm)
+    # once per device and launch shape (the call is on every backward's path), and only when it will be read
+    if _logging.enabled("kernels") and key not in _LOGGED_FALLBACKS:
         _LOGGED_FALLBACKS.add(key)
         why = ("not an NVIDIA GPU, where the pipelined loop was not measured" if not is_nvidia
                else "the device's shared memory per program is unknown" if limit is None
-               else f"its buffered tiles need {need} bytes of shared memory, the device allows {limit} a program")
+               else f"the buffered tiles of its {per_sm} program(s) per multiprocessor need {need} bytes of shared "
+                    f"memory, the device has {limit}")
         _logging.log("kernels", "%s backward, %d columns, %d bytes per x + dy value on %s: %s; running %s instead "
                      "of %s", "rms_norm" if is_rms else "layer_norm", block_n, bytes_per_value, device, why,
                      fallback, config)
