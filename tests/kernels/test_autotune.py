@@ -538,6 +538,10 @@ def test_norm_backward_pipelines_its_row_loop_only_where_the_tiles_fit(monkeypat
         # no candidate buffers more than the heuristic's tiles, nor runs more programs per multiprocessor
         assert all(c["BLOCK_M"] * c["per_sm"] <= 8 and c["per_sm"] <= 4 for c in candidates)
     assert norm_tuning._bwd_heuristic(16384, True)[3] == norm_tuning._bwd_heuristic(512, False)[3] == 1
+    for is_rms in (True, False):  # 256 columns: two warps; the earlier four stay a candidate
+        assert norm_tuning._bwd_heuristic(256, is_rms) == (8, 2, 4, 1)
+        earlier = {"BLOCK_M": 8, "num_warps": 4, "per_sm": 4, "stages": 1}
+        assert earlier in norm_tuning._bwd_candidates(is_rms)(256, 8192)
     assert norm_tuning.unpipelined_backward(4096, True) == {"BLOCK_M": 4, "num_warps": 16, "per_sm": 1, "stages": 1}
     assert norm_tuning.unpipelined_backward(4096, False) == {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 1}
     heuristic = {"BLOCK_M": 2, "num_warps": 8, "per_sm": 1, "stages": 3}

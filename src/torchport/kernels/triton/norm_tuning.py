@@ -52,6 +52,10 @@ def _bwd_heuristic(block_n: int, is_rms: bool) -> tuple[int, int, int, int]:
         return min(4, 8192 // block_n), 8, 1, 3
     block_m, num_warps = _fwd_heuristic(block_n)
     per_sm = 8 if block_m * block_n <= 1024 else 4 if block_m * block_n <= 2048 else 2
+    if block_n == 256:
+        # 8 rows x 2 warps, 4 per SM: 13.9 / 13.9 us (RMSNorm / LayerNorm) against 16.4 / 25.7 with 4 warps, the
+        # fastest of 12 launches for both (H200, 8192 rows bf16, results/issue23/fwd_stages_h200.json)
+        num_warps = 2
     # 1024 columns (2 rows x 4 warps, 4 per SM): 3 stages took 19.4 / 19.1 us (RMSNorm / LayerNorm) against 21.0 /
     # 22.6 unpipelined on an H200, 8192 rows bf16; at 256 columns the stages moved the best launch by 2% at most
     # (results/issue23/fwd_stages_h200.json)
