@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
@@ -227,13 +226,9 @@ def _valid_config(entry: Any, candidates: list[Config]) -> Config | None:
     chosen = next((c for c in candidates if c == config), None)
     tried = [t.get("config") for part in ("timings", "failed") for t in entry.get(part) or ()
              if isinstance(t, dict)]
-    if chosen is not None and tried and _as_set(tried) != _as_set(candidates):
+    if chosen is not None and tried and (len(tried) != len(candidates) or any(c not in tried for c in candidates)):
         return None
     return chosen
-
-
-def _as_set(configs: list[Any]) -> set[str]:
-    return {json.dumps(c, sort_keys=True) for c in configs}
 
 
 # -- timing ---------------------------------------------------------------------------------------------------------

@@ -10,13 +10,11 @@ Where the time goes in simpler kernels, and what these do instead:
 * The weight gradient is a column sum over all rows. The backward runs a persistent grid (a few programs per
   multiprocessor); each program walks its share of rows, keeps its partial column sums in registers, and writes
   them once; one small kernel sums the programs' rows of both gradients and rounds them to the parameters' dtype.
-  Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice). With few programs per
-  multiprocessor, each loads its next tiles while it computes the current one (``stages``; NVIDIA GPUs only, where
-  it was measured, while its tiles fit in shared memory): on an H200 at 8192 rows bf16, 8-30% less time at
-  1024-8192 columns, at most 2% at 256, none at 16384. From 16384 columns the weight is read again per tile
-  instead of held in registers (RMSNorm 16384: 10% less time). The forward, a program per row block with many
-  programs per SM, took 2-8% more time than one elementwise pass over its bytes at 1024-16384 columns
-  (``benchmarks/RESULTS.md``, issue 23).
+  Nothing re-reads x or dy (PyTorch's eager LayerNorm backward reads both twice). With few programs per SM, each
+  loads its next tiles while it computes the current one (``stages``; NVIDIA GPUs, while the tiles fit in shared
+  memory): 8-30% less time at 1024-8192 columns on an H200. From 16384 columns the weight is read per tile, not
+  held in registers (RMSNorm 16384: 10% less time). The forward (many programs per SM) took 2-8% more time than one
+  elementwise pass over its bytes at 1024-16384 columns (``benchmarks/RESULTS.md``, issue 23).
 * Short rows (N ≤ 1024) are processed several to a program, so each program still moves a few KiB per step.
 * Rows longer than ``MAX_FUSED`` columns do not fit in registers; they, and LayerNorm's backward past half of
   that, take the wide-row kernels of :mod:`.norm_chunked`: a forward that walks each row twice, a backward of two

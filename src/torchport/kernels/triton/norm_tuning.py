@@ -71,8 +71,8 @@ def unpipelined_backward(block_n: int, is_rms: bool) -> autotune.Config:
     (H100, 8192 x 4096 bf16, best of 36 unpipelined settings: RMSNorm 4 rows x 16 warps, LayerNorm 2 rows x 8 warps,
     one per SM), the heuristic with its loop unpipelined elsewhere. Taken where the pipelined launch cannot run
     (:func:`backward_launch`)."""
-    m, w, p, s = _bwd_heuristic(block_n, is_rms)
-    if s == 1 or block_n < 2048:
+    if not 2048 <= block_n <= 8192:
+        m, w, p, _ = _bwd_heuristic(block_n, is_rms)
         return _bwd_launch(m, w, p, 1)
     return _bwd_launch(min(4, 16384 // block_n), 16, 1, 1) if is_rms else _bwd_launch(min(2, 8192 // block_n), 8, 1, 1)
 
