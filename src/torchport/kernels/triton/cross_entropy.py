@@ -114,12 +114,12 @@ def _rows_kernel(
         # hold (a NaN, or all -inf, makes e NaN)
         scale = tl.load(SCALE)
         factor = scale * (1.0 + 2.0 * z_loss * lse) / d
-        spread = scale * smoothing / V
+        spread = scale * smoothing / V  # scalars, the same for every row (Triton 3.9 indexes no scalar with [:, None])
         hit = scale * (1.0 - smoothing)
-        g = e * factor[:, None] - spread[:, None]
+        g = e * factor[:, None] - spread
         # in 32 bits (a 64-bit compare is two instructions a logit); rows without a class never match
         target32 = tl.where(valid, target, -1).to(tl.int32)
-        g = tl.where(cols[None, :] == target32[:, None], g - hit[:, None], g)
+        g = tl.where(cols[None, :] == target32[:, None], g - hit, g)
         g = tl.where(valid[:, None], g, 0.0)
         tl.store(DX + rows64[:, None] * stride_dx + cols[None, :], g.to(DX.dtype.element_ty), mask=ok)
 

@@ -158,7 +158,8 @@ def decode_tile(q_ptr, s_ptr, o_ptr, g_ptr, rn, mask_n, k0, K, stride_qn, stride
 @triton.jit
 def split_sum(total, offs, mask, part_ptr, count_ptr, tile, pid_k, PART_STRIDE, SPLIT: tl.constexpr):
     """The sum over the ``SPLIT`` programs of one output tile of their float32 partial ``total`` (elements ``offs``,
-    ``mask``), and whether this program holds it: every program writes its partial to the workspace ``part_ptr``
+    ``mask``), and the mask of the elements this program holds (``mask`` in the program that holds the sum, nothing
+    in the others): every program writes its partial to the workspace ``part_ptr``
     (``SPLIT`` slices ``PART_STRIDE`` apart) and takes a ticket from the tile's counter; the last to arrive reads
     the partials back and resets the counter to 0, so the next launch (or CUDA-graph replay) starts from zero with
     no fill kernel. The partials are read through L2 (``.cg``): L1 is not coherent between multiprocessors."""
@@ -166,8 +167,11 @@ def split_sum(total, offs, mask, part_ptr, count_ptr, tile, pid_k, PART_STRIDE, 
     tl.debug_barrier()  # every thread's partial is written before the ticket (release) is taken
     ticket = tl.atomic_add(count_ptr + tile, 1, sem="acq_rel")
     last = ticket == SPLIT - 1
+    # a select rather than ``mask & last``: Triton 3.9's interpreter gives a tensor-and-scalar ``&`` an integer
+    # mask, which its loads refuse; compiled, the two are the same instruction
+    held = tl.where(last, mask, False)
     total = tl.zeros_like(total)
     for s in tl.static_range(SPLIT):
-        total += tl.load(part_ptr + s * PART_STRIDE + offs, mask=mask & last, other=0.0, cache_modifier=".cg")
+        total += tl.load(part_ptr + s * PART_STRIDE + offs, mask=held, other=0.0, cache_modifier=".cg")
     tl.store(count_ptr + tile, 0, mask=last)
-    return total, last
+    return total, held

@@ -75,9 +75,8 @@ def gemm_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
         acc = acc * tl.load(s_ptr + rn * stride_sn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:
-        acc, last = split_sum(acc, rm[:, None] * N + rn[None, :], mask, part_ptr, count_ptr, pid, pid_k, M * N,
+        acc, mask = split_sum(acc, rm[:, None] * N + rn[None, :], mask, part_ptr, count_ptr, pid, pid_k, M * N,
                               SPLIT)
-        mask = mask & last
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[None, :]
     tl.store(y_ptr + rm[:, None] * stride_ym + rn[None, :], acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -139,9 +139,8 @@ def gemv_kernel(x_ptr, q_ptr, s_ptr, o_ptr, g_ptr, b_ptr, y_ptr, part_ptr, count
         total = total * (E2M1_UNIT * E4M3_UNIT) * tl.load(g_ptr)
     y = y_ptr + row * stride_ym + rn
     if SPLIT > 1:
-        total, last = split_sum(total, row * N + rn, mask_n, part_ptr, count_ptr, row * tl.num_programs(1) +
-                                tl.program_id(1), pid_k, M * N, SPLIT)
-        mask_n = mask_n & last
+        total, mask_n = split_sum(total, row * N + rn, mask_n, part_ptr, count_ptr, row * tl.num_programs(1) +
+                                  tl.program_id(1), pid_k, M * N, SPLIT)
     if HAS_BIAS:
         total += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)
     tl.store(y, total.to(y_ptr.dtype.element_ty), mask=mask_n)

@@ -112,7 +112,7 @@ def int4_mma_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, count_pt
         if PREFETCH:
             s = s_next.to(tl.float32)
             o = o_next.to(tl.float32)
-            ahead = mask_n & (w0 + WPG < w_end)
+            ahead = tl.where(w0 + WPG < w_end, mask_n, False)  # a select: see split_sum
             s_next = tl.load(s_rows + g + 1, mask=ahead, other=0.0)
             o_next = tl.load(o_rows + g + 1, mask=ahead, other=0.0)
         else:
@@ -144,9 +144,8 @@ def int4_mma_kernel(x_ptr, q_ptr, s_ptr, o_ptr, b_ptr, y_ptr, part_ptr, count_pt
         acc += s[:, None] * (part + (o - CENTRE)[:, None] * x_sum[None, :])
     mask = mask_n[:, None] & mask_m[None, :]
     if SPLIT > 1:
-        acc, last = split_sum(acc, rm[None, :] * N + rn[:, None], mask, part_ptr, count_ptr, pid_n, pid_k, M * N,
+        acc, mask = split_sum(acc, rm[None, :] * N + rn[:, None], mask, part_ptr, count_ptr, pid_n, pid_k, M * N,
                               SPLIT)
-        mask = mask & last
     if HAS_BIAS:
         acc += tl.load(b_ptr + rn, mask=mask_n, other=0.0).to(tl.float32)[:, None]
     tl.store(y_ptr + rm[None, :] * stride_ym + rn[:, None], acc.to(y_ptr.dtype.element_ty), mask=mask)
