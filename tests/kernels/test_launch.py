@@ -156,6 +156,24 @@ def test_launch_hooks_and_unbindable_kernels_keep_tritons_path(fake_triton, monk
     assert [c[0] for c in fake_triton] == ["triton", "triton", "triton", "direct"]
 
 
+def test_a_pre_run_hook_keeps_tritons_path(fake_triton):
+    """A kernel's pre-run hooks (``add_pre_run_hook``) run only inside Triton's launch: while it has any, neither
+    the bound nor a prepared launch is taken."""
+    fn = JITFunction(_kernel)
+    kernel = launch.Kernel(fn)
+    x = torch.zeros(8)
+    kernel.launch((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
+    prepared = kernel.prepare((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
+    assert prepared is not None
+    fn.add_pre_run_hook(lambda *args, **kwargs: None)
+    kernel.launch((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
+    assert not prepared.launch((x, x, 8, 1.0))
+    fn.pre_run_hooks.clear()
+    kernel.launch((1,), x, x, 8, 1.0, BLOCK=8, FLAG=False)
+    assert prepared.launch((x, x, 8, 1.0))
+    assert [c[0] for c in fake_triton] == ["triton", "triton", "direct", "direct"]
+
+
 def test_a_prepared_launch_calls_the_launcher_with_the_new_arguments(fake_triton, monkeypatch):
     kernel = launch.Kernel(JITFunction(_kernel))
     x, y = torch.zeros(32), torch.zeros(32)

@@ -12,8 +12,13 @@ current stream. On an H100 host, the RMSNorm forward kernel on a 4 x 64 input co
 (``benchmarks/kernel_host_overhead.py --pieces``; benchmarks/RESULTS.md).
 
 The normal ``kernel[grid](...)`` path is kept where the direct one cannot be used: under Triton's interpreter
-(``TRITON_INTERPRET=1``), while a launch hook is installed (profilers such as Proton watch launches through it),
-for kernels whose constexpr parameters do not all follow the others, and for unhashable arguments.
+(``TRITON_INTERPRET=1``), while a launch hook is installed (profilers such as Proton watch launches through it) or
+the kernel has a pre-run hook (``JITFunction.add_pre_run_hook``), for kernels whose constexpr parameters do not all
+follow the others, and for unhashable arguments.
+
+The compiled launcher is called as Triton's own ``JITFunction.run`` calls it: grid, stream, function, packed
+metadata, launch metadata, the two hook chains, then every parameter. Triton 3.4 to 3.9 call it so
+(``triton/runtime/jit.py``, ``JITFunction.run``; 3.9 checked against its wheel).
 
 Example:
     >>> FORWARD = Kernel(_fwd_kernel)
@@ -59,7 +64,7 @@ class Kernel:
     specialisation's first launch goes through Triton and binds its compiled kernel; later ones call it directly.
     """
 
-    __slots__ = ("_bound", "_constexprs", "_direct", "fn", "name")
+    __slots__ = ("_bound", "_constexprs", "_direct", "_pre_run", "fn", "name")
 
     def __init__(self, fn: Any) -> None:
         self.fn = fn
@@ -71,6 +76,8 @@ class Kernel:
         self._direct = knobs is not None and isinstance(fn, JITFunction) and params is not None \
             and _constexprs_last(params)
         self._constexprs = tuple(p.name for p in params if p.is_constexpr) if self._direct else ()
+        # the kernel's own pre-run hooks, a list that add_pre_run_hook appends to: while it holds any, Triton's path
+        self._pre_run = getattr(fn, "pre_run_hooks", None) if self._direct else None
 
     def __repr__(self) -> str:
         return f"Kernel({self.name}, {len(self._bound)} bound)"
@@ -79,7 +86,8 @@ class Kernel:
         """``fn[grid](*args, **meta)``, directly once this specialisation has been launched before."""
         runtime = knobs.runtime if self._direct else None
         # Triton 3.6's hooks are chains, empty unless a profiler added to them; any other hook object counts too
-        if runtime is None or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        if runtime is None or self._pre_run or _hooked(runtime.launch_enter_hook) \
+                or _hooked(runtime.launch_exit_hook):
             self.fn[grid](*args, **meta)
             return
         active = driver.active
@@ -149,10 +157,10 @@ class Prepared:
 
     def launch(self, args: tuple[Any, ...]) -> bool:
         """Launch with ``args`` (the kernel's runtime arguments, in order) on the current stream; False, launching
-        nothing, where the prepared launcher may not be used now: another current device, or a launch hook
-        installed since (then launch through :meth:`Kernel.launch`)."""
+        nothing, where the prepared launcher may not be used now: another current device, or a launch or pre-run
+        hook installed since (then launch through :meth:`Kernel.launch`)."""
         runtime = knobs.runtime
-        if _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
+        if self.kernel._pre_run or _hooked(runtime.launch_enter_hook) or _hooked(runtime.launch_exit_hook):
             return False
         active = driver.active
         if active.get_current_device() != self._device:
