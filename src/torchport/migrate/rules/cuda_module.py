@@ -158,14 +158,17 @@ def cuda_event(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseE
 
 @register_rule("cuda-stream", cst.Call)
 def cuda_stream(original: cst.Call, updated: cst.Call, ctx: Context) -> cst.BaseExpression | None:
-    """The CUDA module's ``Stream()`` / ``Stream(priority=p)`` -> ``torch.Stream(...)`` on the current device.
+    """The CUDA module's ``Stream()`` / ``Stream(priority=p)`` -> ``torch.Stream(DEVICE, ...)``.
 
-    A stream for a named device is left as written and reported: its device may be an index, a string or a
-    ``torch.device``, and ``torch.Stream`` accepts only the last two.
+    The device is named: a bare ``torch.Stream()`` takes the accelerator torch was built for, so on a machine without
+    that device (a CUDA build of torch on a CPU machine, the default on Linux) it fails where ``DEVICE`` is the CPU
+    and a CPU stream works. A stream for a named device is left as written and reported: its device may be an
+    index, a string or a ``torch.device``, and ``torch.Stream`` accepts only the last two.
     """
     if ctx.source_attribute(original.func) != "Stream":
         return None
     if any(arg.keyword is None or arg.keyword.value == "device" for arg in updated.args):
         ctx.unconverted(original, "Stream(device)", "write torch.Stream(torch.device(DEVICE.type, index))")
         return None
-    return updated.with_changes(func=ctx.expr("{torch}.Stream"))
+    return updated.with_changes(func=ctx.expr("{torch}.Stream"),
+                                args=tidy([cst.Arg(ctx.expr("{device}")), *updated.args]))
