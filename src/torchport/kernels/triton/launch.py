@@ -18,7 +18,7 @@ follow the others, and for unhashable arguments.
 
 The compiled launcher is called as Triton's own ``JITFunction.run`` calls it: grid, stream, function, packed
 metadata, launch metadata, the two hook chains, then every parameter. Triton 3.4 to 3.9 call it so
-(``triton/runtime/jit.py``, ``JITFunction.run``; 3.9 checked against its wheel).
+(``triton/runtime/jit.py``, ``JITFunction.run``, read in the wheels of 3.4.0, 3.5.1, 3.6.0, 3.7.1, 3.8.0 and 3.9.0).
 
 Example:
     >>> FORWARD = Kernel(_fwd_kernel)
