@@ -13,8 +13,10 @@ The tests' own results mean nothing here (no kernel ran; ``torch.testing.assert_
 ``check_close`` check nothing, so that a test goes on to its next launch), so the session's exit status is the
 compiler's: 0 when every launch compiled, 1 otherwise. The last line names how many
 launches of how many kernels compiled; ``--compile-only-record PATH`` writes them, and each distinct failure with its
-traceback, as JSON. Kernels whose float32 variant exists for the interpreter (torchport's ``UPCAST``) are compiled in
-the variant a GPU runs.
+traceback, as JSON. Kernels are named by module and name (two modules may each have a ``_fwd_kernel``). Where
+torchport's launch passes a flag chosen for the CPU host, the variant an NVIDIA GPU runs is compiled instead:
+``UPCAST`` off (float32 dots, for the interpreter) and ``ASM`` on for half-precision activations (the int4 kernel's
+inline PTX decode).
 """
 
 from __future__ import annotations
@@ -66,12 +68,15 @@ class _NoDevice:
 def _compile_only(self: JITFunction, *args: Any, grid: Any, warmup: bool, **kwargs: Any) -> Any:
     if kwargs.get("UPCAST"):
         kwargs["UPCAST"] = False
+    if kwargs.get("ASM") is False and args and getattr(args[0], "dtype", None) in (torch.bfloat16, torch.float16):
+        kwargs["ASM"] = True
+    name = f"{self.__module__}.{self.__name__}"
     try:
         kernel = _run(self, *args, grid=grid, warmup=True, **kwargs)
     except Exception as exc:
-        _failed.setdefault((self.__name__, f"{type(exc).__name__}: {exc}"[:2000]), traceback.format_exc()[-4000:])
+        _failed.setdefault((name, f"{type(exc).__name__}: {exc}"[:2000]), traceback.format_exc()[-4000:])
         raise
-    _compiled[self.__name__] += 1
+    _compiled[name] += 1
     return kernel
 
 
@@ -127,7 +132,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
             json.dump({"triton": triton.__version__, "arch": arch, "compiled": dict(_compiled),
                        "failed": [{"kernel": name, "error": error, "traceback": tb}
                                   for (name, error), tb in _failed.items()]}, f, indent=1)
-    session.exitstatus = 1 if _failed or not _compiled else 0
+    if exitstatus in (pytest.ExitCode.OK, pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.NO_TESTS_COLLECTED):
+        session.exitstatus = 1 if _failed or not _compiled else 0  # else: interrupted, or pytest's own error
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:

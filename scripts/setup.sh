@@ -31,7 +31,7 @@ fi
 if [ "$latest" = 1 ]; then
     # every package upgraded but torch: the installed build is held (an eager upgrade would otherwise replace the
     # CPU build with the newest CUDA one, several GB, as soon as no other pin holds it back)
-    torch_now="$("$venv/bin/python" -c "import torch; print(torch.__version__)")"
+    torch_now="$("$venv/bin/python" -c "from importlib.metadata import version; print(version('torch'))")"
     "${pip[@]}" --upgrade --upgrade-strategy eager -c <(echo "torch==$torch_now") -e ".${extras:+[$extras]}"
     echo "setup: versions in $venv that differ from constraints.txt:"
     "$venv/bin/python" -m pip freeze --exclude-editable --disable-pip-version-check 2>/dev/null \
