@@ -58,9 +58,18 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="comma-separated device types to test (cpu, npu, cuda, xpu, mps) or 'auto': every real device, and "
              "the simulated npu when no other accelerator is present",
     )
+    parser.addoption(
+        "--no-tuning", action="store_true",
+        help="launch every Triton kernel with its heuristic configuration: no candidates timed, no tuning cache read "
+             "or written (tests that turn tuning on themselves still do)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--no-tuning"):
+        from torchport.kernels.triton import autotune
+
+        autotune.set_enabled(False)
     real = [name for name in _ACCELERATORS if get_backend(name).is_available()]
     npu_real = get_backend("npu").is_available()
     choice = config.getoption("--devices")
