@@ -97,3 +97,29 @@ def test_the_host_target_has_properties_too() -> None:
         assert props.total_memory > 0
     finally:
         compat.unpatch()
+
+
+def _outcome(ask) -> tuple[str, object]:  # noqa: ANN001
+    try:
+        return "answer", ask()
+    except Exception as exc:  # noqa: BLE001 - the kind of failure is what is compared
+        return "raises", type(exc)
+
+
+def test_torch_itself_hears_the_truth_about_cuda_devices() -> None:
+    """Inductor builds its cache key from ``torch.cuda.get_device_properties(current_device())`` on every machine,
+    catching the error a build without CUDA raises; given the shim's answer instead, it read a ROCm field and failed
+    to compile anything under ``torchport run`` on the CPU. torch's own frames get CUDA's own answer (or error), the
+    program the target's."""
+    inductor = {"__name__": "torch._inductor.codecache", "torch": torch}
+    exec("def ask():\n    return torch.cuda.get_device_properties(0), torch.cuda.get_device_capability(0)", inductor)
+    program = {"__name__": "__main__", "torch": torch}
+    exec("def ask():\n    return torch.cuda.get_device_properties(0), torch.cuda.get_device_capability(0)", program)
+    truth = _outcome(inductor["ask"])
+    compat.patch("cpu")
+    try:
+        assert _outcome(inductor["ask"]) == truth
+        props, capability = program["ask"]()
+        assert capability == (props.major, props.minor) and props.multi_processor_count >= 1
+    finally:
+        compat.unpatch()

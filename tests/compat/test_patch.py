@@ -307,3 +307,24 @@ def test_integer_devices_land_on_the_target(shim: torch.device) -> None:
     assert isinstance(torch.device(0), torch.device) and torch.device("cpu", 0) == torch.device("cpu:0")
     assert torch.device("cuda", 0).type == "cuda"  # a CUDA device object is mapped where it is used
     assert torch.ones(1).to(torch.device("cuda", 0)).device.type == shim.type
+
+
+def test_torch_compile_takes_the_targets_compiler(shim: torch.device) -> None:
+    """``torch.compile(fn)`` means Inductor; where the target's compiler is another (Ascend: TorchAir; the simulated
+    NPU: none), it compiles with torchport's backend, which hands the graph to that compiler. A backend the program
+    names is kept, and on a target Inductor compiles for (the CPU) torch.compile is left as it is."""
+    def fn(x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x) * 2 + 1
+
+    x = torch.randn(5, 7, device="cuda")
+    inductor = get_backend(shim.type).dynamo_compiler()[0] == "inductor"
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(fn, options={"max_autotune": False})
+        torch.testing.assert_close(compiled(x), fn(x))
+        named = torch.compile(fn, backend="aot_eager")
+        torch.testing.assert_close(named(x), fn(x))
+    finally:
+        torch._dynamo.reset()
+    calls = {entry["api"]: entry["count"] for entry in compat.report()["redirected"]}
+    assert calls.get("torch.compile(backend=inductor)") == (None if inductor else 1)

@@ -183,3 +183,33 @@ def test_required_flash_attn_fails_with_one_clear_message(tmp_path: Path, torchp
     assert "unreachable" not in result.stdout
     assert "flash_attn" in result.stderr.strip().splitlines()[-1], describe(result)
     assert not [f for f, _, _ in frames(result.stderr, tmp_path) if "flash_attn" in f.parts], describe(result)
+
+
+# -- torch.compile --------------------------------------------------------------------------------------------------
+@pytest.mark.slow  # Inductor generates and builds C++ for the forward and the backward on the CPU (~20 s on 2 cores)
+@pytest.mark.parametrize("target", ["cpu", "npu"])
+def test_a_compiled_model_trains_on_the_target(target: str, tmp_path: Path, torchport_run) -> None:
+    """A CUDA-written script that compiles its model with the default backend (Inductor), as nanoGPT's train.py
+    does, trains on the CPU (Inductor, which the shim must not hand the target's answers to its own device queries)
+    and on the simulated NPU (torchport's backend: Inductor has no code generator for that device)."""
+    write(tmp_path / "compiled.py", """
+        import torch
+
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4)).to("cuda")
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        step = torch.compile(model)
+        x, y = torch.randn(8, 16, device="cuda"), torch.randn(8, 4, device="cuda")
+        for _ in range(3):
+            with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+                loss = torch.nn.functional.mse_loss(step(x).float(), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        print("device", next(model.parameters()).device.type, "finite", bool(torch.isfinite(loss)))
+    """)
+    env = {"TORCHPORT_SIMULATE": "npu"} if target == "npu" else {}
+    result = torchport_run("--device", target, "--report", "compiled.py", cwd=tmp_path, env=env, timeout=600)
+    assert result.returncode == 0, describe(result)
+    assert result.stdout.strip().splitlines()[-1] == f"device {target} finite True", describe(result)
+    assert ("torch.compile(backend=inductor)" in result.stderr) == (target == "npu"), describe(result)

@@ -15,7 +15,7 @@ from .._patching import Journal as Patcher  # swaps attributes and puts back exa
 from ..backends import Backend
 from .report import Recorder
 
-__all__ = ["Patcher", "Target", "called_by_user", "asked_for_user"]
+__all__ = ["Patcher", "Target", "asked_for_user", "asked_outside_torch", "called_by_user"]
 
 # Libraries that ask torch.cuda.is_available() to choose CUDA-only internals (kernels, NCCL, streams). They get the
 # real answer; the user's program gets "yes" so it takes its GPU path. accelerate#3020 is this failure, seen with
@@ -38,6 +38,17 @@ def _package(frame: FrameType) -> str:
 def called_by_user(depth: int = 2) -> bool:
     """Whether the frame ``depth`` levels up belongs to the user's code rather than to a known library."""
     return _package(sys._getframe(depth)) not in _LIBRARIES
+
+
+def asked_outside_torch(depth: int = 2) -> bool:
+    """Whether the frame ``depth`` levels up is not torch's own (nor torchport's, torch_npu's or Triton's).
+
+    torch reads CUDA's device properties only for CUDA-only internals, some without asking ``is_available()``
+    first: Inductor's cache key reads ``get_device_properties(current_device())`` on every machine and expects the
+    error a build without CUDA raises. Those frames hear the truth; the program and other libraries, the target's
+    answer.
+    """
+    return _package(sys._getframe(depth)) not in _DEVICE_LIBRARIES
 
 
 def asked_for_user(depth: int = 2) -> bool:

@@ -52,6 +52,31 @@ def _first_arg_or_device(target: Target, fn: Any, api: str) -> Any:
     return call
 
 
+def _compile(target: Target, original: Any) -> Any:
+    """``torch.compile`` with its default backend, Inductor, where the target's compiler is not Inductor (Ascend:
+    TorchAir or torch_npu's own backend; a device with none: the graph as captured) compiles with torchport's
+    backend instead, which hands each graph to the target's compiler (:func:`torchport.compile.torchport_backend`).
+    ``mode`` passes on as it is; Inductor's ``options`` become that backend's ``inductor`` settings, which apply
+    where Inductor compiles after all. Any other backend the program names is its choice and is kept."""
+    decided: list[bool] = []
+
+    @functools.wraps(original)
+    def call(model: Any = None, **kwargs: Any) -> Any:
+        if kwargs.get("backend", "inductor") == "inductor":
+            if not decided:
+                decided.append(target.backend.dynamo_compiler()[0] != "inductor")
+            if decided[0]:
+                from ..compile.dynamo_backend import torchport_backend
+
+                target.recorder.record("torch.compile(backend=inductor)")
+                kwargs["backend"] = torchport_backend
+                if kwargs.get("options"):
+                    kwargs["options"] = {"inductor": dict(kwargs["options"])}
+        return original(model, **kwargs)
+
+    return call
+
+
 def _load(target: Target, original: Any) -> Any:
     from torch.serialization import default_restore_location
 
@@ -348,3 +373,4 @@ def install(target: Target, patcher: Patcher, make_event: Any, make_stream: Any)
     _distributed(target, patcher)
     _data_parallel(target, patcher)
     _profiler(target, patcher)
+    patcher.wrap(torch, "compile", lambda fn: _compile(target, fn))
