@@ -123,3 +123,22 @@ def test_torch_itself_hears_the_truth_about_cuda_devices() -> None:
         assert capability == (props.major, props.minor) and props.multi_processor_count >= 1
     finally:
         compat.unpatch()
+
+
+def test_a_compiled_program_sees_what_the_eager_one_sees(device: torch.device) -> None:
+    """dynamo calls the device queries a traced program makes from its own frames: they must answer as they answer
+    the program, not as they answer Inductor."""
+    def capability(x: torch.Tensor) -> torch.Tensor:
+        major, minor = torch.cuda.get_device_capability()
+        return x * (10 * major + minor) + torch.cuda.get_device_properties(0).multi_processor_count
+
+    if device.type == "cuda":
+        pytest.skip("on CUDA the shim has nothing to redirect")
+    compat.patch(device)
+    try:
+        x = torch.ones(2, device="cuda")
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(capability, backend="eager")(x), capability(x))
+    finally:
+        torch._dynamo.reset()
+        compat.unpatch()

@@ -309,22 +309,29 @@ def test_integer_devices_land_on_the_target(shim: torch.device) -> None:
     assert torch.ones(1).to(torch.device("cuda", 0)).device.type == shim.type
 
 
+@pytest.mark.slow  # on the CPU, Inductor builds C++ for each compiled function
 def test_torch_compile_takes_the_targets_compiler(shim: torch.device) -> None:
-    """``torch.compile(fn)`` means Inductor; where the target's compiler is another (Ascend: TorchAir; the simulated
-    NPU: none), it compiles with torchport's backend, which hands the graph to that compiler. A backend the program
-    names is kept, and on a target Inductor compiles for (the CPU) torch.compile is left as it is."""
+    """``torch.compile(fn)`` means Inductor; where Inductor generates no code for the target (the simulated NPU),
+    it compiles with torchport's backend, which hands the graph to the target's compiler. The decorator forms,
+    ``backend=None``, an explicit ``"inductor"`` and ``Module.compile`` all go that way; a backend the program names
+    is kept, and on a target Inductor compiles for (the CPU) torch.compile is left as it is."""
     def fn(x: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.gelu(x) * 2 + 1
 
     x = torch.randn(5, 7, device="cuda")
-    inductor = get_backend(shim.type).dynamo_compiler()[0] == "inductor"
+    inductor = get_backend(shim.type).inductor_compiles()
+    module = torch.nn.Linear(7, 3).to("cuda")
+    want = module(x)
     torch._dynamo.reset()
     try:
-        compiled = torch.compile(fn, options={"max_autotune": False})
-        torch.testing.assert_close(compiled(x), fn(x))
-        named = torch.compile(fn, backend="aot_eager")
-        torch.testing.assert_close(named(x), fn(x))
+        torch.testing.assert_close(torch.compile(fn, options={"max_autotune": False})(x), fn(x))
+        torch.testing.assert_close(torch.compile(fn, backend=None)(x), fn(x))
+        torch.testing.assert_close(torch.compile(mode="default")(fn)(x), fn(x))
+        torch.testing.assert_close(torch.compile(fn, backend="inductor")(x), fn(x))
+        module.compile()
+        torch.testing.assert_close(module(x), want)
+        torch.testing.assert_close(torch.compile(fn, backend="aot_eager")(x), fn(x))
     finally:
         torch._dynamo.reset()
     calls = {entry["api"]: entry["count"] for entry in compat.report()["redirected"]}
-    assert calls.get("torch.compile(backend=inductor)") == (None if inductor else 1)
+    assert calls.get("torch.compile(backend=inductor)") == (None if inductor else 5)

@@ -176,6 +176,12 @@ class Backend:
         as it is (eager)."""
         return "eager", None
 
+    def inductor_compiles(self) -> bool:
+        """Whether ``torch.compile``'s default backend, Inductor, generates code for this device type: where it does
+        not, the shim compiles a program's ``torch.compile(model)`` with torchport's backend instead. Here: whether
+        Inductor is :meth:`dynamo_compiler`'s choice."""
+        return self.dynamo_compiler()[0] == "inductor"
+
     # -- attention and float32 matmuls -----------------------------------------------------------------------------
     def attention_implementation(self, index: int) -> str:
         """The Hugging Face ``attn_implementation`` that computes attention best on device ``index`` (what

@@ -333,6 +333,18 @@ class NpuBackend(Backend):
             return "npu", lookup_backend("npu")
         return "eager", None
 
+    def inductor_compiles(self) -> bool:
+        # torch_npu releases with NPU Inductor register its code generator for "npu" when a compile asks for
+        # Inductor (Ascend/pytorch master 9e73e708: torch_npu/utils/_dynamo.py register_inductor_npu, called from
+        # its Inductor setup; torch_npu/_inductor/__init__.py register_backend_for_device). Older releases have none.
+        if not self.is_available():
+            return False
+        try:
+            dynamo = importlib.import_module("torch_npu.utils._dynamo")
+        except ImportError:
+            return False
+        return hasattr(dynamo, "register_inductor_npu")
+
     def utilization(self, index: int) -> float | None:
         # torch_npu's torch.npu.utilization(device): the device's busy rate, as its driver counts it.
         read = getattr(self.module(), "utilization", None) if self.is_available() else None

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .redirect import Patcher, Target, asked_for_user, asked_outside_torch, called_by_user
+from .redirect import Patcher, Target, asked_for_user, asked_outside_inductor, called_by_user
 
 __all__ = ["DeviceProperties", "HostEvent", "HostStream", "install", "make_event", "make_stream"]
 
@@ -238,8 +238,8 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
         # bfloat16): Ascend 910B/910_93 answer 8.0, Ascend 910A and 310P 7.0. Never 9.0, so FP8 paths stay off.
         return (8, 0) if backend.dtype_works(torch.bfloat16, target.index(device)) else (7, 0)
 
-    for_user("get_device_properties", get_device_properties, asked_outside_torch)
-    for_user("get_device_capability", get_device_capability, asked_outside_torch)
+    for_user("get_device_properties", get_device_properties, asked_outside_inductor)
+    for_user("get_device_capability", get_device_capability, asked_outside_inductor)
 
     # Programs and libraries also use these two as types (isinstance, ``torch.cuda.Stream | None`` annotations):
     # they stay classes, whose construction returns the target's object.

@@ -15,7 +15,7 @@ from .._patching import Journal as Patcher  # swaps attributes and puts back exa
 from ..backends import Backend
 from .report import Recorder
 
-__all__ = ["Patcher", "Target", "asked_for_user", "asked_outside_torch", "called_by_user"]
+__all__ = ["Patcher", "Target", "asked_for_user", "asked_outside_inductor", "called_by_user"]
 
 # Libraries that ask torch.cuda.is_available() to choose CUDA-only internals (kernels, NCCL, streams). They get the
 # real answer; the user's program gets "yes" so it takes its GPU path. accelerate#3020 is this failure, seen with
@@ -40,15 +40,16 @@ def called_by_user(depth: int = 2) -> bool:
     return _package(sys._getframe(depth)) not in _LIBRARIES
 
 
-def asked_outside_torch(depth: int = 2) -> bool:
-    """Whether the frame ``depth`` levels up is not torch's own (nor torchport's, torch_npu's or Triton's).
+def asked_outside_inductor(depth: int = 2) -> bool:
+    """Whether the frame ``depth`` levels up is not Inductor's.
 
-    torch reads CUDA's device properties only for CUDA-only internals, some without asking ``is_available()``
-    first: Inductor's cache key reads ``get_device_properties(current_device())`` on every machine and expects the
-    error a build without CUDA raises. Those frames hear the truth; the program and other libraries, the target's
-    answer.
+    Inductor reads CUDA's device properties for its own purposes without asking ``is_available()`` first: its cache
+    key reads ``get_device_properties(current_device())`` on every machine and expects the error a build without
+    CUDA raises. It hears the truth. Everyone else hears the target's answer, dynamo included: when it traces a
+    program's ``get_device_capability()`` it calls the function from its own frames, and the compiled program must
+    see what the eager one sees.
     """
-    return _package(sys._getframe(depth)) not in _DEVICE_LIBRARIES
+    return not (sys._getframe(depth).f_globals.get("__name__") or "").startswith("torch._inductor")
 
 
 def asked_for_user(depth: int = 2) -> bool:

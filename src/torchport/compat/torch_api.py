@@ -52,26 +52,46 @@ def _first_arg_or_device(target: Target, fn: Any, api: str) -> Any:
     return call
 
 
+# Keys of torch.compile's ``options`` that torch.compile itself takes out, whatever the backend (torch 2.13)
+_COMPILE_OWN_OPTIONS = ("guard_filter_fn", "use_aoti")
+
+
+def _default_compile_backend() -> Any:
+    try:
+        from torch._dynamo.backends.registry import get_default_backend  # torch >= 2.12 (set_default_backend)
+    except ImportError:
+        return "inductor"
+    return get_default_backend()
+
+
 def _compile(target: Target, original: Any) -> Any:
-    """``torch.compile`` with its default backend, Inductor, where the target's compiler is not Inductor (Ascend:
-    TorchAir or torch_npu's own backend; a device with none: the graph as captured) compiles with torchport's
-    backend instead, which hands each graph to the target's compiler (:func:`torchport.compile.torchport_backend`).
-    ``mode`` passes on as it is; Inductor's ``options`` become that backend's ``inductor`` settings, which apply
-    where Inductor compiles after all. Any other backend the program names is its choice and is kept."""
+    """``torch.compile`` with Inductor (its default backend, or named) on a target Inductor generates no code for
+    (:meth:`~torchport.backends.Backend.inductor_compiles`: the simulated NPU, an Ascend chip without torch_npu's NPU
+    Inductor) compiles with torchport's backend, which hands each graph to the target's compiler
+    (:func:`torchport.compile.torchport_backend`: TorchAir on Ascend, the captured graph where there is none).
+    Inductor's ``options`` become that backend's ``inductor`` settings, torch.compile's own keys among them staying
+    where torch.compile takes them; ``mode`` passes on (it applies where Inductor compiles). Another backend the
+    program names, or sets as the default, is its choice and is kept."""
     decided: list[bool] = []
 
     @functools.wraps(original)
     def call(model: Any = None, **kwargs: Any) -> Any:
-        if kwargs.get("backend", "inductor") == "inductor":
+        backend = kwargs.get("backend")
+        if backend is None:
+            backend = _default_compile_backend()
+        if isinstance(backend, str) and backend == "inductor":
             if not decided:
-                decided.append(target.backend.dynamo_compiler()[0] != "inductor")
+                decided.append(not target.backend.inductor_compiles())
             if decided[0]:
                 from ..compile.dynamo_backend import torchport_backend
 
                 target.recorder.record("torch.compile(backend=inductor)")
                 kwargs["backend"] = torchport_backend
-                if kwargs.get("options"):
-                    kwargs["options"] = {"inductor": dict(kwargs["options"])}
+                options = kwargs.get("options")
+                if isinstance(options, dict) and options:
+                    own = {key: options[key] for key in _COMPILE_OWN_OPTIONS if key in options}
+                    rest = {key: value for key, value in options.items() if key not in own}
+                    kwargs["options"] = {**own, **({"inductor": rest} if rest else {})}
         return original(model, **kwargs)
 
     return call
