@@ -2,10 +2,13 @@
 
 import gc
 import json
+import sys
+import types
 
 import pytest
 import torch
 
+import torchport.testing
 from torchport.backends import get_backend
 from torchport.backends.dtype_probe import PROBED_DTYPES, probe
 
@@ -123,3 +126,21 @@ def test_probing_off_trusts_the_vendor(device: torch.device) -> None:
     with torchport.settings.override(probe=False):
         assert b.dtype_works(torch.float32, i)
         assert b.dtype_works(torch.bfloat16, i) == b.claims_dtype(torch.bfloat16, i)
+
+
+def test_inductor_compiles_for_the_devices_it_generates_code_for(device: torch.device,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether torch.compile's default backend generates code for the device: CPU and CUDA yes; the simulated NPU
+    no (no torch_npu), a chip whose torch_npu has NPU Inductor yes (its ``register_inductor_npu``), an older one no."""
+    backend = get_backend(device.type)
+    if device.type != "npu":
+        assert backend.inductor_compiles() is True
+        return
+    if torchport.testing.is_simulating():
+        assert backend.inductor_compiles() is False
+    for has_inductor in (True, False):
+        dynamo = types.ModuleType("torch_npu.utils._dynamo")
+        if has_inductor:
+            dynamo.register_inductor_npu = lambda: None
+        monkeypatch.setitem(sys.modules, "torch_npu.utils._dynamo", dynamo)
+        assert backend.inductor_compiles() is has_inductor
