@@ -283,3 +283,24 @@ def test_current_stream_is_per_thread(sim: torch.device) -> None:
     finally:
         release.set()
         thread.join()
+
+
+def test_pinned_host_memory_as_torch_npu_gives_it(sim: torch.device) -> None:
+    """torch_npu pins host memory with its own allocator; the simulation answers pin_memory() and is_pinned() in
+    Python, so device-agnostic loading code (DataLoader(pin_memory=True), x.pin_memory().to(dev, non_blocking=True))
+    runs on it as on a chip."""
+    host = torch.arange(12.0).reshape(3, 4)
+    assert not host.is_pinned()
+    pinned = host.pin_memory()
+    assert pinned.is_pinned() and pinned[1].is_pinned() and pinned.pin_memory() is pinned
+    assert pinned.data_ptr() != host.data_ptr() and torch.equal(pinned, host) and not host.is_pinned()
+    assert torch.equal(pinned.to(sim, non_blocking=True).cpu(), host)
+    strided = host.t().pin_memory()
+    assert strided.stride() == host.t().stride() and torch.equal(strided, host.t())
+    with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
+        torch.ones(2, device=sim).pin_memory()
+    data = torch.utils.data.TensorDataset(torch.arange(8.0), torch.arange(8))
+    for workers in (0, 2):
+        batches = list(torch.utils.data.DataLoader(data, batch_size=3, pin_memory=True, num_workers=workers))
+        assert all(x.is_pinned() and y.is_pinned() for x, y in batches)
+        assert torch.equal(torch.cat([x for x, _ in batches]), torch.arange(8.0))

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ..backends.npu import ChipProfile, chip_profile
-from . import npu_state, npu_tensor
+from . import npu_pinned, npu_state, npu_tensor
 from .npu_state import NPU, is_active, state
 from .npu_tensor import SimulatedTensor
 from .npu_tensor import _rebuild  # noqa: F401  (files saved by earlier releases name it here)
@@ -110,6 +110,7 @@ def activate(device_count: int = 1, total_memory: int | None = None, soc: str | 
 
         _libraries.extend(npu_tensor.register())
         _libraries.extend(npu_module.register_autocast())
+        npu_pinned.install()
 
         from ..backends import register_backend
         from ..backends.npu import NpuBackend
@@ -119,7 +120,9 @@ def activate(device_count: int = 1, total_memory: int | None = None, soc: str | 
             """The npu backend, except for what a Python-registered device cannot do."""
 
             safetensors_direct = False
-            pins_memory = False  # PyTorch's Python backend hooks cannot provide a pinned allocator
+            # PyTorch's Python backend hooks cannot provide a pinned allocator: programs' pin_memory() and
+            # is_pinned() are answered in Python (npu_pinned), torchport's own buffers stay unpinned
+            pins_memory = False
             profiler_activity = None
 
             def versions(self) -> dict[str, str | None]:
