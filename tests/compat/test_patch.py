@@ -199,14 +199,17 @@ def test_grad_scaler_follows_the_autocast_dtype(shim: torch.device) -> None:
 def test_cuda_only_imports_fail_with_a_hint(shim: torch.device) -> None:
     with pytest.raises(ImportError, match="flash_attn is CUDA-only and cannot run on .*scaled_dot_product_attention"):
         import flash_attn  # noqa: F401
-    with pytest.raises(ImportError, match="cupy is CUDA-only"):
-        import cupy  # noqa: F401
+    imported = "cupy" in sys.modules  # imported before the shim: nothing can refuse it now, the report names it
+    if not imported:
+        with pytest.raises(ImportError, match="cupy is CUDA-only"):
+            import cupy  # noqa: F401
     found = {row["name"] for row in compat.report()["cuda_only"]}
     assert {"flash_attn", "cupy"} <= found
     # a library probing for the package (transformers does, at import) is told it is absent, not given an error
     import importlib.util
 
-    assert importlib.util.find_spec("flash_attn") is None and importlib.util.find_spec("cupyx") is None
+    assert importlib.util.find_spec("flash_attn") is None
+    assert imported or importlib.util.find_spec("cupyx") is None
 
 
 def test_stream_and_event_stay_types(shim: torch.device) -> None:
@@ -325,7 +328,10 @@ def test_torch_compile_takes_the_targets_compiler(shim: torch.device) -> None:
     torch._dynamo.reset()
     try:
         torch.testing.assert_close(torch.compile(fn, options={"max_autotune": False})(x), fn(x))
-        torch.testing.assert_close(torch.compile(fn, backend=None)(x), fn(x))
+        if hasattr(torch._dynamo.backends.registry, "get_default_backend"):  # backend=None: torch >= 2.12
+            torch.testing.assert_close(torch.compile(fn, backend=None)(x), fn(x))
+        else:
+            torch.testing.assert_close(torch.compile(fn)(x), fn(x))
         torch.testing.assert_close(torch.compile(mode="default")(fn)(x), fn(x))
         torch.testing.assert_close(torch.compile(fn, backend="inductor")(x), fn(x))
         module.compile()
