@@ -113,10 +113,13 @@ def test_torch_itself_hears_the_truth_about_cuda_devices() -> None:
     catching the error a build without CUDA raises; given the shim's answer instead, it read a ROCm field and failed
     to compile anything under ``torchport run`` on the CPU. torch's own frames get CUDA's own answer (or error), the
     program the target's."""
+    source = ("def ask():\n"  # Inductor's own expression, and the capability
+              "    props = torch.cuda.get_device_properties(torch.cuda.current_device())\n"
+              "    return props, torch.cuda.get_device_capability(0)")
     inductor = {"__name__": "torch._inductor.codecache", "torch": torch}
-    exec("def ask():\n    return torch.cuda.get_device_properties(0), torch.cuda.get_device_capability(0)", inductor)
+    exec(source, inductor)
     program = {"__name__": "__main__", "torch": torch}
-    exec("def ask():\n    return torch.cuda.get_device_properties(0), torch.cuda.get_device_capability(0)", program)
+    exec(source, program)
     truth = _outcome(inductor["ask"])
     compat.patch("cpu")
     try:

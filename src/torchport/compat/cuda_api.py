@@ -192,7 +192,7 @@ def install(target: Target, patcher: Patcher) -> None:  # noqa: C901 - one small
     # torch.manual_seed itself calls torch.cuda.manual_seed_all (lazily queued when CUDA is absent)
     for_user("manual_seed", backend.manual_seed_all)
     for_user("manual_seed_all", backend.manual_seed_all)
-    redirect("current_device", backend.current_index)
+    for_user("current_device", backend.current_index, asked_outside_inductor)  # Inductor: see get_device_properties
     # On the host every CUDA index means the one CPU (torchrun ranks call set_device(LOCAL_RANK)).
     redirect("set_device", lambda device: None if target.host else backend.set_index(target.index(device)))
     redirect("synchronize", lambda device=None: backend.synchronize(target.index(device)))
