@@ -341,3 +341,30 @@ def test_torch_compile_takes_the_targets_compiler(shim: torch.device) -> None:
         torch._dynamo.reset()
     calls = {entry["api"]: entry["count"] for entry in compat.report()["redirected"]}
     assert calls.get("torch.compile(backend=inductor)") == (None if inductor else 5)
+
+
+def test_a_trainer_written_for_cuda_runs_on_the_host_target(tmp_path) -> None:
+    """Hugging Face's TrainingArguments refuses bf16 without a GPU unless use_cpu=True; on the host target the
+    Trainer runs on the CPU, so the shim sets it (and says so in the report). The adaptation is undone by unpatch, and
+    a target that is a device is left to transformers' own checks."""
+    transformers = pytest.importorskip("transformers")
+    arguments = transformers.TrainingArguments
+    original = arguments.__post_init__
+    compat.patch("cpu")
+    try:
+        made = arguments(output_dir=str(tmp_path), bf16=True, report_to=[], save_strategy="no")
+        assert made.use_cpu and made.bf16
+        explicit = arguments(output_dir=str(tmp_path), use_cpu=True, report_to=[], save_strategy="no")
+        assert explicit.use_cpu
+        calls = {entry["api"]: entry for entry in compat.report()["redirected"]}
+        assert calls["TrainingArguments(use_cpu=True)"]["count"] == 1
+        assert calls["TrainingArguments(use_cpu=True)"]["first_site"].startswith("tests")
+    finally:
+        compat.unpatch()
+    assert arguments.__post_init__ is original
+    from types import SimpleNamespace
+
+    from torchport.compat.libraries import hooks
+    from torchport.compat.redirect import Patcher
+
+    assert hooks(SimpleNamespace(host=False), Patcher()) == {}  # an accelerator: transformers checks it itself

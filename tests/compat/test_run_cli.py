@@ -213,3 +213,30 @@ def test_a_compiled_model_trains_on_the_target(target: str, tmp_path: Path, torc
     assert result.returncode == 0, describe(result)
     assert result.stdout.strip().splitlines()[-1] == f"device {target} finite True", describe(result)
     assert ("torch.compile(backend=inductor)" in result.stderr) == (target == "npu"), describe(result)
+
+
+@pytest.mark.slow  # imports transformers and trains a few steps in a fresh process
+def test_a_hugging_face_trainer_written_for_cuda_trains_on_the_cpu_target(tmp_path: Path, torchport_run) -> None:
+    """A Trainer script as written for a GPU (model.cuda(), bf16=True, pinned loading) trains on the CPU target."""
+    pytest.importorskip("transformers")
+    write(tmp_path / "train_hf.py", """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+        assert torch.cuda.is_available(), "this script needs a GPU"
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2)
+        model = LlamaForCausalLM(config).cuda()
+        ids = torch.randint(0, 64, (16, 12))
+        data = [{"input_ids": row, "labels": row} for row in ids]
+        args = TrainingArguments(output_dir="out", per_device_train_batch_size=4, max_steps=3, bf16=True,
+                                 report_to=[], save_strategy="no", dataloader_pin_memory=True, logging_steps=1)
+        result = Trainer(model=model, args=args, train_dataset=data).train()
+        print("device", next(model.parameters()).device.type, "steps", result.global_step,
+              "finite", bool(torch.isfinite(torch.tensor(result.training_loss))))
+    """)
+    result = torchport_run("--device", "cpu", "--report", "train_hf.py", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, describe(result)
+    assert result.stdout.strip().splitlines()[-1] == "device cpu steps 3 finite True", describe(result)
+    assert "TrainingArguments(use_cpu=True)" in result.stderr, describe(result)

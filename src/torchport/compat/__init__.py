@@ -64,7 +64,7 @@ def patch(target: DeviceLike = None) -> torch.device:
         patcher = Patcher()
         _state.update(target=chosen, patcher=patcher, guard=None, jit=[])
         if backend.name != "cuda":  # on CUDA itself there is nothing to redirect
-            from . import cuda_api, cuda_only, jit, tensor_types, torch_api
+            from . import cuda_api, cuda_only, jit, libraries, tensor_types, torch_api
             from torch.jit import _builtins
 
             _builtins._get_builtin_table()  # built from torch's own functions, before any is replaced
@@ -73,7 +73,7 @@ def patch(target: DeviceLike = None) -> torch.device:
                               lambda *a, **k: cuda_api.make_stream(chosen, *a, **k))
             cuda_api.install(chosen, patcher)
             tensor_types.install(chosen, patcher)
-            _state["guard"] = cuda_only.install(chosen, patcher)
+            _state["guard"] = cuda_only.install(chosen, patcher, libraries.hooks(chosen, patcher))
             _state["jit"] = jit.install(patcher)
         return chosen.device(index)
 

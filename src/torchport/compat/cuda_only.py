@@ -43,12 +43,12 @@ def _probing() -> bool:
 
 
 class _Guard(importlib.abc.MetaPathFinder):
-    def __init__(self, target: Target, on_cpp_extension: Any) -> None:
+    def __init__(self, target: Target, after: dict[str, Any]) -> None:
         self.target = target
-        self.on_cpp_extension = on_cpp_extension
+        self.after = after  # module name -> what to do with the module once it is loaded
 
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
-        if name == _CPP_EXTENSION:
+        if name in self.after:
             return self._after_loading(name)
         top = name.partition(".")[0]
         hint = CUDA_ONLY_PACKAGES.get(top)
@@ -62,7 +62,7 @@ class _Guard(importlib.abc.MetaPathFinder):
         )
 
     def _after_loading(self, name: str) -> Any:
-        # cpp_extension imports setuptools (0.2 s): guard it when the program imports it, not before.
+        # Adapt a module when the program imports it, not before (cpp_extension imports setuptools: 0.2 s).
         sys.meta_path.remove(self)
         try:
             spec = importlib.util.find_spec(name)
@@ -75,14 +75,15 @@ class _Guard(importlib.abc.MetaPathFinder):
         def exec_module(module: Any) -> None:
             loader.exec_module = original_exec
             original_exec(module)
-            self.on_cpp_extension(module)
+            self.after[name](module)
 
         loader.exec_module = exec_module
         return spec
 
 
-def install(target: Target, patcher: Patcher) -> Any:
-    """Refuse CUDA-only imports and CUDA extension builds with a clear message; returns the import guard."""
+def install(target: Target, patcher: Patcher, after: dict[str, Any] | None = None) -> Any:
+    """Refuse CUDA-only imports and CUDA extension builds with a clear message; returns the import guard. ``after``
+    maps more module names to what to do with each once loaded (now, for those already imported)."""
     for name in list(sys.modules):
         if name.partition(".")[0] in CUDA_ONLY_PACKAGES:
             target.recorder.find(name.partition(".")[0], CUDA_ONLY_PACKAGES[name.partition(".")[0]])
@@ -109,8 +110,10 @@ def install(target: Target, patcher: Patcher) -> Any:
             patcher.wrap(cpp_extension, "load", lambda fn: guarded(fn, f"{_CPP_EXTENSION}.load"))
             patcher.wrap(cpp_extension, "load_inline", lambda fn: guarded(fn, f"{_CPP_EXTENSION}.load_inline"))
 
-    guard = _Guard(target, guard_builds)
+    hooks = {**(after or {}), _CPP_EXTENSION: guard_builds}
+    guard = _Guard(target, hooks)
     sys.meta_path.insert(0, guard)
-    if _CPP_EXTENSION in sys.modules:
-        guard_builds(sys.modules[_CPP_EXTENSION])
+    for name, adapt in hooks.items():
+        if name in sys.modules:
+            adapt(sys.modules[name])
     return guard

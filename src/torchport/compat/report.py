@@ -14,20 +14,32 @@ _OWN_CODE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # src/t
 _TORCH = None
 
 
+def _where(frame: Any) -> str:
+    filename = frame.f_code.co_filename
+    return f"{os.path.relpath(filename) if not filename.startswith('<') else filename}:{frame.f_lineno}"
+
+
 def call_site() -> str:
-    """file:line of the first frame outside torchport and torch: the user's line that made the call."""
+    """file:line of the user's line that made the call: the first frame outside torchport, torch, the libraries the
+    shim knows (transformers' ``model.cuda()`` is the program's call) and generated code (a dataclass's
+    ``__init__``); else the first frame outside torchport and torch (a library acting on its own)."""
     global _TORCH
     if _TORCH is None:
         import torch
 
         _TORCH = os.path.dirname(torch.__file__)
-    frame = sys._getframe(2)
+    from .redirect import _LIBRARIES
+
+    frame, fallback = sys._getframe(2), None
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_OWN_CODE, _TORCH)) and "importlib" not in filename:
-            return f"{os.path.relpath(filename) if not filename.startswith('<') else filename}:{frame.f_lineno}"
+            package = (frame.f_globals.get("__name__") or "").partition(".")[0]
+            if package not in _LIBRARIES and not filename.startswith("<"):
+                return _where(frame)
+            fallback = fallback or frame
         frame = frame.f_back
-    return "?"
+    return _where(fallback) if fallback is not None else "?"
 
 
 @dataclasses.dataclass
