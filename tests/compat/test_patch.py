@@ -368,3 +368,27 @@ def test_a_trainer_written_for_cuda_runs_on_the_host_target(tmp_path) -> None:
     from torchport.compat.redirect import Patcher
 
     assert hooks(SimpleNamespace(host=False), Patcher()) == {}  # an accelerator: transformers checks it itself
+
+
+def test_the_import_guard_adapts_a_module_once_the_program_imports_it(tmp_path, monkeypatch) -> None:
+    """A module named in ``after`` is adapted when the program imports it, and at once when it is already loaded."""
+    from torchport.compat import cuda_only
+    from torchport.compat.redirect import Patcher
+
+    (tmp_path / "tp_adapted_probe.py").write_text("VALUE = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "tp_adapted_probe", raising=False)
+    seen: list[int] = []
+    target, patcher = Target(get_backend("cpu"), Recorder()), Patcher()
+    guard = cuda_only.install(target, patcher, {"tp_adapted_probe": lambda module: seen.append(module.VALUE)})
+    try:
+        assert seen == []
+        import tp_adapted_probe  # noqa: F401
+        assert seen == [1]
+    finally:
+        sys.meta_path.remove(guard)
+        patcher.restore()
+    again = cuda_only.install(target, patcher, {"tp_adapted_probe": lambda module: seen.append(module.VALUE + 1)})
+    sys.meta_path.remove(again)
+    patcher.restore()
+    assert seen == [1, 2]

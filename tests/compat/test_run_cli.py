@@ -217,7 +217,7 @@ def test_a_compiled_model_trains_on_the_target(target: str, tmp_path: Path, torc
 
 @pytest.mark.slow  # imports transformers and trains a few steps in a fresh process
 def test_a_hugging_face_trainer_written_for_cuda_trains_on_the_cpu_target(tmp_path: Path, torchport_run) -> None:
-    """A Trainer script as written for a GPU (model.cuda(), bf16=True, pinned loading) trains on the CPU target."""
+    """A Trainer script as written for a GPU (model.cuda(), bf16=True) trains on the CPU target."""
     pytest.importorskip("transformers")
     write(tmp_path / "train_hf.py", """
         import torch

@@ -11,6 +11,8 @@ import textwrap
 import pytest
 import torch
 
+import torchport.compat
+from torchport.backends import get_backend
 from torchport.testing import SimulatedTensor
 
 pytestmark = pytest.mark.usefixtures("sim")
@@ -299,8 +301,21 @@ def test_pinned_host_memory_as_torch_npu_gives_it(sim: torch.device) -> None:
     assert strided.stride() == host.t().stride() and torch.equal(strided, host.t())
     with pytest.raises(RuntimeError, match="only dense CPU tensors can be pinned"):
         torch.ones(2, device=sim).pin_memory()
+    moved = torch.ones(4).pin_memory()
+    moved.set_(torch.zeros(4))  # other memory now: its old address is no longer pinned memory of a live tensor
+    assert not moved.is_pinned() and not torch.zeros(4).is_pinned()
+    buffer = get_backend("npu").empty_pinned(64)  # torchport's own pinned buffers (offload)
+    assert buffer.is_pinned() and buffer[8:16].is_pinned() and buffer.dtype == torch.uint8
     data = torch.utils.data.TensorDataset(torch.arange(8.0), torch.arange(8))
-    for workers in (0, 2):
-        batches = list(torch.utils.data.DataLoader(data, batch_size=3, pin_memory=True, num_workers=workers))
-        assert all(x.is_pinned() and y.is_pinned() for x, y in batches)
-        assert torch.equal(torch.cat([x for x, _ in batches]), torch.arange(8.0))
+    for shim in (False, True):  # alone, and under the shim, which pins as the device does
+        if shim:
+            torchport.compat.patch(sim)
+        try:
+            assert torch.ones(2).pin_memory().is_pinned()
+            for workers in (0, 2):
+                batches = list(torch.utils.data.DataLoader(data, batch_size=3, pin_memory=True, num_workers=workers))
+                assert all(x.is_pinned() and y.is_pinned() for x, y in batches)
+                assert torch.equal(torch.cat([x for x, _ in batches]), torch.arange(8.0))
+        finally:
+            if shim:
+                torchport.compat.unpatch()

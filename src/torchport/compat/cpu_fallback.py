@@ -365,7 +365,7 @@ def _count(device_type: str, name: str) -> None:
     if first:
         from .report import call_site
 
-        site = _sites[key] = call_site()
+        site = _sites[key] = call_site(program=False)
         warnings.warn(f"torchport: {name} runs on the CPU instead of {device_type} (first from {site}): torchport."
                       "compat.cpu_fallback copies its tensors there and back, which takes time", stacklevel=3)
     if count & (count - 1) == 0:  # 1, 2, 4, 8...: the counts grow in the log without a line per call

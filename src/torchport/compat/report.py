@@ -19,10 +19,12 @@ def _where(frame: Any) -> str:
     return f"{os.path.relpath(filename) if not filename.startswith('<') else filename}:{frame.f_lineno}"
 
 
-def call_site() -> str:
-    """file:line of the user's line that made the call: the first frame outside torchport, torch, the libraries the
-    shim knows (transformers' ``model.cuda()`` is the program's call) and generated code (a dataclass's
-    ``__init__``); else the first frame outside torchport and torch (a library acting on its own)."""
+def call_site(program: bool = True) -> str:
+    """file:line of the first frame outside torchport and torch. With ``program`` (what the shim's report wants: the
+    line of the program that made the call), also outside the libraries the shim knows (transformers'
+    ``model.cuda()`` is the program's call) and code generated with ``exec`` (a dataclass's ``__init__``); where
+    there is no such frame, the first outside torchport and torch (a library acting on its own). Without it, the
+    nearest library line (the operator an operator fallback ran is in a model's own file)."""
     global _TORCH
     if _TORCH is None:
         import torch
@@ -34,8 +36,10 @@ def call_site() -> str:
     while frame is not None:
         filename = frame.f_code.co_filename
         if not filename.startswith((_OWN_CODE, _TORCH)) and "importlib" not in filename:
+            if not program:
+                return _where(frame)
             package = (frame.f_globals.get("__name__") or "").partition(".")[0]
-            if package not in _LIBRARIES and not filename.startswith("<"):
+            if package not in _LIBRARIES and filename != "<string>":
                 return _where(frame)
             fallback = fallback or frame
         frame = frame.f_back

@@ -20,28 +20,33 @@ from typing import Any
 
 import torch
 
-__all__ = ["install", "is_pinned"]
+__all__ = ["empty_pinned", "install", "is_pinned"]
 
-_lock = threading.Lock()
-_pinned: dict[int, int] = {}  # data_ptr of a pinned host storage -> tensors handed out on it that are alive
+# data_ptr of a pinned host storage -> the tensors handed out on it (weakly). A pointer counts as pinned while one of
+# them is alive and still on that memory, so an address freed and reused, or a tensor moved to other memory
+# (set_, resize_, .data =), is not taken for pinned memory.
+_lock = threading.RLock()  # a weak reference's callback may run in a collection inside a locked section
+_pinned: dict[int, list[weakref.ref]] = {}
+
+
+def _forget(pointer: int) -> Any:
+    def callback(dead: weakref.ref) -> None:
+        with _lock:
+            alive = [ref for ref in _pinned.get(pointer, ()) if ref is not dead and ref() is not None]
+            if alive:
+                _pinned[pointer] = alive
+            else:
+                _pinned.pop(pointer, None)
+
+    return callback
 
 
 def _mark(tensor: torch.Tensor) -> torch.Tensor:
     pointer = tensor.untyped_storage().data_ptr()
     if pointer:
         with _lock:
-            _pinned[pointer] = _pinned.get(pointer, 0) + 1
-        weakref.finalize(tensor, _unmark, pointer)
+            _pinned.setdefault(pointer, []).append(weakref.ref(tensor, _forget(pointer)))
     return tensor
-
-
-def _unmark(pointer: int) -> None:
-    with _lock:
-        left = _pinned.get(pointer, 0) - 1
-        if left > 0:
-            _pinned[pointer] = left
-        else:
-            _pinned.pop(pointer, None)
 
 
 def is_pinned(tensor: torch.Tensor) -> bool:
@@ -50,7 +55,14 @@ def is_pinned(tensor: torch.Tensor) -> bool:
         return False
     pointer = tensor.untyped_storage().data_ptr()
     with _lock:
-        return pointer in _pinned
+        holders = [ref() for ref in _pinned.get(pointer, ())]
+    return any(held is not None and held.untyped_storage().data_ptr() == pointer for held in holders)
+
+
+def empty_pinned(nbytes: int) -> torch.Tensor:
+    """An uninitialised pinned host buffer of ``nbytes`` bytes (uint8): what ``torch.empty(nbytes,
+    dtype=torch.uint8, pin_memory=True)`` gives on a chip."""
+    return _mark(torch.empty(nbytes, dtype=torch.uint8))
 
 
 def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
@@ -58,7 +70,7 @@ def _pin_memory(self: torch.Tensor, device: Any = None) -> torch.Tensor:
         raise RuntimeError(f"cannot pin '{self.type()}' only dense CPU tensors can be pinned")
     if is_pinned(self):
         return self
-    return _mark(self.clone())  # new host memory, strides kept, differentiable as pin_memory is
+    return _mark(self.clone())  # new host memory laid out as clone lays it out; differentiable, as pin_memory is
 
 
 def _is_pinned(self: torch.Tensor, device: Any = None) -> bool:

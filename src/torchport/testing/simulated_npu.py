@@ -120,10 +120,13 @@ def activate(device_count: int = 1, total_memory: int | None = None, soc: str | 
             """The npu backend, except for what a Python-registered device cannot do."""
 
             safetensors_direct = False
-            # PyTorch's Python backend hooks cannot provide a pinned allocator: programs' pin_memory() and
-            # is_pinned() are answered in Python (npu_pinned), torchport's own buffers stay unpinned
-            pins_memory = False
+            # PyTorch's Python backend hooks cannot provide a pinned allocator: pin_memory() and is_pinned() are
+            # answered in Python (npu_pinned), and so are the pinned buffers torchport allocates
+            pins_memory = True
             profiler_activity = None
+
+            def empty_pinned(self, nbytes: int) -> torch.Tensor:
+                return npu_pinned.empty_pinned(nbytes)  # torch.empty(pin_memory=True) needs the C++ allocator
 
             def versions(self) -> dict[str, str | None]:
                 return {"torch_npu": None, "cann": None, "simulated": "torchport.testing"}
