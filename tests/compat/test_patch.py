@@ -392,3 +392,28 @@ def test_the_import_guard_adapts_a_module_once_the_program_imports_it(tmp_path, 
     sys.meta_path.remove(again)
     patcher.restore()
     assert seen == [1, 2]
+
+
+def test_a_lightning_trainer_asking_for_a_gpu_runs_on_the_host_target() -> None:
+    """Lightning's Trainer(accelerator="gpu") and Fabric(accelerator="cuda") ask CUDA themselves and stop on a
+    machine without it; on the host target they get the CPU accelerator, a process per GPU asked for."""
+    lightning = pytest.importorskip("lightning")
+    from torchport.compat.libraries import _cpu_devices
+
+    assert [_cpu_devices(d) for d in (1, 2, -1, [0, 1], (3,), "0,1", "-1", "2", "auto")] == [1, 2, 1, 2, 1, 2, 1, 2,
+                                                                                            "auto"]
+    trainer_init, fabric_init = lightning.Trainer.__init__, lightning.Fabric.__init__
+    compat.patch("cpu")
+    try:
+        trainer = lightning.Trainer(accelerator="gpu", devices=[0, 1], logger=False, enable_checkpointing=False,
+                                    enable_progress_bar=False, max_steps=1)
+        assert type(trainer.accelerator).__name__ == "CPUAccelerator" and trainer.num_devices == 2
+        fabric = lightning.Fabric(accelerator="cuda", devices=1)
+        assert fabric.device.type == "cpu"
+        mine = lightning.Trainer(accelerator="cpu", logger=False)  # the program's own choice stays
+        assert type(mine.accelerator).__name__ == "CPUAccelerator"
+        calls = {entry["api"]: entry["count"] for entry in compat.report()["redirected"]}
+        assert calls["Trainer(accelerator='gpu')"] == 1 and calls["Fabric(accelerator='cuda')"] == 1
+    finally:
+        compat.unpatch()
+    assert lightning.Trainer.__init__ is trainer_init and lightning.Fabric.__init__ is fabric_init

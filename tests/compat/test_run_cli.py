@@ -240,3 +240,41 @@ def test_a_hugging_face_trainer_written_for_cuda_trains_on_the_cpu_target(tmp_pa
     assert result.returncode == 0, describe(result)
     assert result.stdout.strip().splitlines()[-1] == "device cpu steps 3 finite True", describe(result)
     assert "TrainingArguments(use_cpu=True)" in result.stderr, describe(result)
+
+
+@pytest.mark.slow  # imports Lightning and trains two ranks in fresh processes
+def test_a_lightning_script_asking_for_gpus_trains_on_the_cpu_target(tmp_path: Path, torchport_run) -> None:
+    """A Lightning script as written for two GPUs (accelerator="cuda", devices=[0, 1], DDP, fp16 mixed precision)
+    trains on the CPU target as two CPU processes; Lightning's relaunched rank runs under the shim too."""
+    pytest.importorskip("lightning")
+    write(tmp_path / "train_lightning.py", """
+        import torch
+        import lightning as L
+
+
+        class Model(L.LightningModule):
+            def __init__(self):
+                super().__init__()
+                self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+            def training_step(self, batch, _):
+                x, y = batch
+                return torch.nn.functional.mse_loss(self.net(x), y)
+
+            def configure_optimizers(self):
+                return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+        torch.manual_seed(0)
+        data = torch.utils.data.TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+        trainer = L.Trainer(accelerator="cuda", devices=[0, 1], strategy="ddp", precision="16-mixed", max_steps=3,
+                            logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(Model(), torch.utils.data.DataLoader(data, batch_size=8))
+        print("rank", trainer.global_rank, "of", trainer.world_size, "on", trainer.strategy.root_device.type,
+              "steps", trainer.global_step)
+    """)
+    result = torchport_run("--device", "cpu", "--report", "train_lightning.py", cwd=tmp_path, timeout=600)
+    assert result.returncode == 0, describe(result)
+    printed = sorted(line for line in result.stdout.splitlines() if line.startswith("rank "))
+    assert printed == ["rank 0 of 2 on cpu steps 3", "rank 1 of 2 on cpu steps 3"], describe(result)
+    assert "Trainer(accelerator='cuda')" in result.stderr, describe(result)

@@ -1,5 +1,6 @@
-"""Libraries that check the device themselves before the program's CUDA path can run, adapted to the target when the
-program imports them (:func:`hooks`, applied by the import guard of :mod:`.cuda_only`)."""
+"""Libraries that check the device themselves before the program's CUDA path can run (Hugging Face's
+``TrainingArguments``, Lightning's ``Trainer`` and ``Fabric``), adapted to the target when the program imports them
+(:func:`hooks`, applied by the import guard of :mod:`.cuda_only`)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,53 @@ def hooks(target: Target, patcher: Patcher) -> dict[str, Callable[[Any], None]]:
     found: dict[str, Callable[[Any], None]] = {}
     if target.host:
         found["transformers.training_args"] = lambda module: _trainer_on_the_host(target, patcher, module)
+        for name, cls in _LIGHTNING.items():
+            found[name] = lambda module, cls=cls: _lightning_on_the_host(target, patcher, module, cls)
     return found
+
+
+# Lightning's modules that define the classes a program names an accelerator in (both package layouts)
+_LIGHTNING = {"lightning.pytorch.trainer.trainer": "Trainer", "pytorch_lightning.trainer.trainer": "Trainer",
+              "lightning.fabric.fabric": "Fabric", "lightning_fabric.fabric": "Fabric"}
+
+
+def _cpu_devices(devices: Any) -> Any:
+    """Lightning's GPU ``devices`` (a count, ``-1`` for all, indices as a list or ``"0,1"``) as its CPU accelerator
+    takes them: a number of processes, one per GPU asked for."""
+    if isinstance(devices, (list, tuple)):
+        return max(len(devices), 1)
+    if isinstance(devices, str) and devices != "auto":
+        text = devices.strip()
+        if "," in text:
+            return max(len([part for part in text.split(",") if part.strip()]), 1)
+        return 1 if text in ("-1", "") else int(text) if text.isdigit() else devices
+    if isinstance(devices, int) and devices < 1:
+        return 1
+    return devices
+
+
+def _lightning_on_the_host(target: Target, patcher: Patcher, module: Any, name: str) -> None:
+    """Lightning's ``Trainer(accelerator="gpu")`` / ``Fabric(accelerator="cuda")`` asks ``torch.cuda.is_available()``
+    itself and stops ("No supported gpu backend found!") on the CPU target. There the program's accelerator becomes
+    ``"cpu"`` and its GPUs as many CPU processes (Lightning itself then takes ``precision="16-mixed"`` as
+    bf16-mixed, with its own warning)."""
+    cls = getattr(module, name, None)
+    if cls is None:
+        return
+    original = cls.__init__
+
+    @functools.wraps(original)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+        accelerator = kwargs.get("accelerator")
+        if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda"):
+            target.recorder.record(f"{name}(accelerator={accelerator!r})")
+            kwargs["accelerator"] = "cpu"
+            if "devices" in kwargs:
+                kwargs["devices"] = _cpu_devices(kwargs["devices"])
+        return original(self, *args, **kwargs)
+
+    with patcher.lock:
+        patcher.set(cls, "__init__", __init__)
 
 
 def _trainer_on_the_host(target: Target, patcher: Patcher, module: Any) -> None:
