@@ -111,7 +111,7 @@ def _outcome(ask) -> tuple[str, object]:  # noqa: ANN001
 def test_torch_itself_hears_the_truth_about_cuda_devices() -> None:
     """Inductor builds its cache key from ``torch.cuda.get_device_properties(current_device())`` on every machine,
     catching the error a build without CUDA raises; given the shim's answer instead, it read a ROCm field and failed
-    to compile anything under ``torchport run`` on the CPU. torch's own frames get CUDA's own answer (or error), the
+    to compile anything under ``torchport run`` on the CPU. Inductor's frames get CUDA's own answer (or error), the
     program the target's."""
     source = ("def ask():\n"  # Inductor's own expression, and the capability
               "    props = torch.cuda.get_device_properties(torch.cuda.current_device())\n"

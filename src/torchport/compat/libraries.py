@@ -48,23 +48,22 @@ def _lightning_on_the_host(target: Target, patcher: Patcher, module: Any, name: 
     itself and stops ("No supported gpu backend found!") on the CPU target. There the program's accelerator becomes
     ``"cpu"`` and its GPUs as many CPU processes (Lightning itself then takes ``precision="16-mixed"`` as
     bf16-mixed, with its own warning)."""
-    cls = getattr(module, name, None)
-    if cls is None:
-        return
-    original = cls.__init__
+    def adapted(original: Any) -> Any:
+        @functools.wraps(original)
+        def __init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            accelerator = kwargs.get("accelerator")
+            if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda"):
+                target.recorder.record(f"{name}(accelerator={accelerator!r})")
+                kwargs["accelerator"] = "cpu"
+                if "devices" in kwargs:
+                    kwargs["devices"] = _cpu_devices(kwargs["devices"])
+            return original(self, *args, **kwargs)
 
-    @functools.wraps(original)
-    def __init__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        accelerator = kwargs.get("accelerator")
-        if isinstance(accelerator, str) and accelerator.lower() in ("gpu", "cuda"):
-            target.recorder.record(f"{name}(accelerator={accelerator!r})")
-            kwargs["accelerator"] = "cpu"
-            if "devices" in kwargs:
-                kwargs["devices"] = _cpu_devices(kwargs["devices"])
-        return original(self, *args, **kwargs)
+        return __init__
 
-    with patcher.lock:
-        patcher.set(cls, "__init__", __init__)
+    if hasattr(module, name):
+        with patcher.lock:  # at import time, on whichever thread imports the module
+            patcher.wrap(getattr(module, name), "__init__", adapted)
 
 
 def _trainer_on_the_host(target: Target, patcher: Patcher, module: Any) -> None:
@@ -72,16 +71,19 @@ def _trainer_on_the_host(target: Target, patcher: Patcher, module: Any) -> None:
     doesn't support bf16/gpu"), so a Trainer script written for CUDA stopped there on the CPU target. The target is
     the host: the Trainer runs there (accelerate's CPU path, bf16 autocast included), as ``use_cpu=True`` asks."""
     cls = getattr(module, "TrainingArguments", None)
-    if cls is None or "use_cpu" not in getattr(cls, "__dataclass_fields__", {}):
+    if "use_cpu" not in getattr(cls, "__dataclass_fields__", {}):
         return  # a release without the field: nothing known to adapt
-    original = cls.__post_init__
 
-    @functools.wraps(original)
-    def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not self.use_cpu:
-            target.recorder.record("TrainingArguments(use_cpu=True)")
-            self.use_cpu = True
-        return original(self, *args, **kwargs)
+    def adapted(original: Any) -> Any:
+        @functools.wraps(original)
+        def __post_init__(self: Any, *args: Any, **kwargs: Any) -> Any:
+            if not self.use_cpu:
+                target.recorder.record("TrainingArguments(use_cpu=True)")
+                self.use_cpu = True
+            return original(self, *args, **kwargs)
+
+        return __post_init__
 
     with patcher.lock:
-        patcher.set(cls, "__post_init__", __post_init__)
+        patcher.wrap(cls, "__post_init__", adapted)
+

@@ -72,17 +72,15 @@ def _compile(target: Target, original: Any) -> Any:
     Inductor's ``options`` become that backend's ``inductor`` settings, torch.compile's own keys among them staying
     where torch.compile takes them; ``mode`` passes on (it applies where Inductor compiles). Another backend the
     program names, or sets as the default, is its choice and is kept."""
-    decided: list[bool] = []
+    redirects = functools.cache(lambda: not target.backend.inductor_compiles())  # asked at the first compile
 
     @functools.wraps(original)
     def call(model: Any = None, **kwargs: Any) -> Any:
         backend = kwargs.get("backend")
         if backend is None:
             backend = _default_compile_backend()
-        if isinstance(backend, str) and backend == "inductor":
-            if not decided:
-                decided.append(not target.backend.inductor_compiles())
-            if decided[0]:
+        if backend == "inductor":
+            if redirects():
                 from ..compile.dynamo_backend import torchport_backend
 
                 target.recorder.record("torch.compile(backend=inductor)")
